@@ -1,0 +1,120 @@
+"""Model, cache and scheduler configuration (plain dataclasses, no torch)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Llama-family architecture fields the engine needs, read from a Hugging Face ``config.json``.
+
+    Covers Llama 2/3 (incl. ``llama3`` rope scaling), SmolLM2, Mistral and Qwen2 (q/k/v bias).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        """Read ``path/config.json``.
+
+        Raises:
+            ValueError: the file is missing or the architecture is not Llama-family.
+        """
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"{cfg_file}: no such file")
+        c = json.loads(cfg_file.read_text())
+        mtype = c.get("model_type", "llama")
+        if mtype not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"{cfg_file}: model_type {mtype!r} is not supported (llama, mistral, qwen2)")
+        rope = c.get("rope_parameters") or {}
+        rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads", heads),
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=c.get("tie_word_embeddings", False),
+            attention_bias=c.get("attention_bias", mtype == "qwen2"),
+            rope_scaling=rope_scaling,
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            model_type=mtype,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """K and V bytes of one token over all layers: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class CacheConfig:
+    """KV cache pool size and layout.
+
+    Attributes:
+        block_size: tokens per KV block (vLLM's default 16).
+        kv_cache_tokens: pool capacity in tokens (rounded down to whole blocks).
+        kv_cache_bytes: alternative to ``kv_cache_tokens``: pool capacity in bytes of K+V over all layers.
+    """
+
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+
+    def num_blocks(self, bytes_per_token: int, default_tokens: int) -> int:
+        """Blocks in the pool: from ``kv_cache_tokens``, else ``kv_cache_bytes``, else ``default_tokens``."""
+        if self.kv_cache_tokens is not None:
+            tokens = self.kv_cache_tokens
+        elif self.kv_cache_bytes is not None:
+            tokens = self.kv_cache_bytes // bytes_per_token
+        else:
+            tokens = default_tokens
+        return max(1, tokens // self.block_size)
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits shared by both policies.
+
+    Attributes:
+        max_num_seqs: most requests in one step (paged).
+        max_num_batched_tokens: token budget of one step (paged).
+        max_model_len: longest prompt + output a request may have, in tokens.
+        max_batch_size: requests per batch (static).
+        reservation: static KV reservation policy: ``max``, ``pow2`` or ``oracle``.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_batch_size: int = 64
+    reservation: str = "max"
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,317 @@
+"""The engine loop (schedule -> execute -> update) and the vLLM-shaped offline API ``LLM``.
+
+An engine is a scheduler (paged or static policy) plus an executor (real model here; the simulator
+swaps in a cost model). ``LLMEngine.step`` runs one iteration and records a ``StepRecord``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engines.config import CacheConfig, ModelConfig, SchedulerConfig
+from engines.detokenizer import IncrementalDetokenizer
+from engines.kv_cache_manager import ContiguousKVCacheManager, PagedKVCacheManager
+from engines.request import Request, RequestStatus
+from engines.sampling_params import SamplingParams
+from engines.scheduler import PagedScheduler, Scheduler
+from engines.static_scheduler import StaticScheduler
+
+DEFAULT_KV_CACHE_TOKENS = 65536
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or rejected) request, as ``LLM.generate`` returns it.
+
+    ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (max_tokens), ``abort`` or
+    ``rejected`` (then ``error`` says why).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.REJECTED: "rejected",
+    RequestStatus.FAILED: "failed",
+}
+
+
+@dataclass
+class StepRecord:
+    """Accounting of one engine step (times in seconds on the engine's clock, sizes in token slots)."""
+
+    step: int
+    start: float
+    duration: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_padding_seqs: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_total_slots: int
+    kv_allocated: int
+    kv_token_states: int
+    kv_reserved: int
+    kv_internal_frag: int
+    kv_external_frag: int
+
+
+class LLMEngine:
+    """Drives a scheduler and an executor.
+
+    Args:
+        scheduler: paged or static policy.
+        executor: has ``execute(SchedulerOutput) -> StepResult`` and ``release(request_id)``.
+        tokenizer: for stop strings and output text (None: no text).
+        clock: seconds; wall clock by default.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor, tokenizer=None, clock: Callable[[], float] = time.perf_counter):
+        self.scheduler, self.executor, self.tokenizer, self.clock = scheduler, executor, tokenizer, clock
+        self.steps: list[StepRecord] = []
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._texts: dict[str, str] = {}
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; returns its output at once if it is rejected."""
+        if not self.scheduler.add_request(request):
+            request.finished_time = self.clock()
+            return self._output(request)
+        if self.tokenizer is not None and request.sampling_params.stop:
+            self._detok[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+            )
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return self._finish(req) if req else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        start = self.clock()
+        result = self.executor.execute(out)
+        now = self.clock()
+        self._record(out, start, now - start)
+        for seq in out.seqs:
+            if seq.is_padding:
+                continue
+            req = self.scheduler.requests.get(seq.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+        finished = self.scheduler.update(out, result)
+        for rid in result.sampled:
+            req = self.scheduler.requests.get(rid) or next((r for r in finished if r.request_id == rid), None)
+            if req is None:
+                continue
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            det = self._detok.get(rid)
+            if det is not None and not req.is_finished:
+                _, stop = det.step(req.output_token_ids[-1])
+                if stop is not None:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                    finished.append(req)
+        return [self._finish(r) for r in finished]
+
+    def _finish(self, req: Request) -> RequestOutput:
+        req.finished_time = self.clock()
+        self.executor.release(req.request_id)
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        det = self._detok.pop(req.request_id, None)
+        if det is not None and req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, str):
+            text = det.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        else:
+            text = ""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            finish_reason=_FINISH_REASON.get(req.status, req.status.value),
+            error=req.reject_reason,
+            num_preemptions=req.num_preemptions,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+        )
+
+    def _record(self, out, start: float, duration: float) -> None:
+        kv = out.kv_stats
+        seqs = out.seqs
+        self.steps.append(
+            StepRecord(
+                step=len(self.steps),
+                start=start,
+                duration=duration,
+                num_seqs=len(seqs),
+                num_prefill_tokens=sum(s.num_tokens for s in seqs if not s.is_padding and not (s.num_tokens == 1 and s.start_pos > 0)),
+                num_decode_tokens=sum(1 for s in seqs if not s.is_padding and s.num_tokens == 1 and s.start_pos > 0),
+                num_padding_seqs=sum(1 for s in seqs if s.is_padding),
+                num_running=out.num_running,
+                num_waiting=out.num_waiting,
+                num_preemptions=len(out.preempted_ids),
+                kv_total_slots=kv.total_slots,
+                kv_allocated=kv.allocated,
+                kv_token_states=kv.token_states,
+                kv_reserved=kv.reserved,
+                kv_internal_frag=kv.internal_frag,
+                kv_external_frag=kv.external_frag,
+            )
+        )
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Step until no request is left; returns outputs in finishing order."""
+        done = []
+        while self.has_unfinished():
+            done.extend(self.step())
+        return done
+
+
+def build_scheduler(kind: str, sched_cfg: SchedulerConfig, num_blocks: int, block_size: int) -> Scheduler:
+    """The policy for ``kind``: ``paged`` or ``static``.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind == "paged":
+        return PagedScheduler(sched_cfg, PagedKVCacheManager(num_blocks, block_size))
+    if kind == "static":
+        return StaticScheduler(sched_cfg, ContiguousKVCacheManager(num_blocks, block_size))
+    raise ValueError(f"engine must be 'paged' or 'static', got {kind!r}")
+
+
+class LLM:
+    """Offline batch generation in vLLM's shape: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+    Args:
+        model: a known model name (``smollm2-135m``, pulled on first use) or a local Llama-family folder.
+        engine: ``paged`` (continuous batching over a paged KV cache) or ``static`` (baseline).
+        dtype: ``float32`` (default) or ``bfloat16``.
+        block_size: tokens per KV block.
+        kv_cache_tokens / kv_cache_bytes: KV pool size (default 65,536 tokens).
+        max_num_seqs, max_num_batched_tokens: paged step limits.
+        max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+        max_batch_size, reservation: static baseline knobs.
+        seed: seed of the shared sampling generator.
+        step_delay_s: test-only: busy-wait added to every step.
+
+    Raises:
+        ModelNotFoundError: ``model`` is neither a known name nor a folder.
+        ValueError: a bad knob (unknown engine, dtype or reservation policy).
+    """
+
+    def __init__(
+        self,
+        model: str | Path = "smollm2-135m",
+        engine: str = "paged",
+        dtype: str = "float32",
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        max_batch_size: int = 64,
+        reservation: str = "max",
+        seed: int = 0,
+        step_delay_s: float = 0.0,
+    ):
+        import torch
+        from transformers import AutoTokenizer
+
+        from engines.model import LlamaModel
+        from engines.model_runner import ModelExecutor
+        from engines.model_store import resolve_model
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        if dtype not in dtypes:
+            raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+        if reservation not in ("max", "pow2", "oracle"):
+            raise ValueError(f"reservation must be max, pow2 or oracle, got {reservation!r}")
+        self.model_dir = resolve_model(model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        mc = self.model_config
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len or mc.max_position_embeddings,
+            max_batch_size=max_batch_size,
+            reservation=reservation,
+        )
+        cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes)
+        elt = torch.tensor([], dtype=dtypes[dtype]).element_size()
+        num_blocks = cache.num_blocks(mc.kv_bytes_per_token(elt), DEFAULT_KV_CACHE_TOKENS)
+        model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype])
+        executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s)
+        self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size), executor, self.tokenizer)
+        self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Tokenize a prompt, through the model's chat template when ``chat``."""
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
+        """Run all prompts as one batch to completion; outputs in prompt order.
+
+        Rejected requests (over ``max_model_len``, ``max_tokens < 1``...) come back with
+        ``finish_reason == "rejected"`` and ``error`` set, while the rest complete.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        order, results = [], {}
+        for prompt, sp in zip(prompts, plist):
+            ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
+            rid = str(next(self._ids))
+            order.append(rid)
+            req = Request(rid, ids, sp, arrival_time=self.engine.clock(),
+                          prompt=prompt if isinstance(prompt, str) else None, eos_token_id=self.eos_token_id)
+            rejected = self.engine.add_request(req)
+            if rejected is not None:
+                results[rid] = rejected
+        for o in self.engine.run_to_completion():
+            results[o.request_id] = o
+        return [results[r] for r in order]

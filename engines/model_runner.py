@@ -1,0 +1,119 @@
+"""Model executor: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
+
+One step is one flattened batch of mixed prefill and decode tokens: decode tokens first (one per
+sequence, batched paged attention), then prefill chunks (attention per sequence). New K/V are written
+into their slots (``slot_mapping``) before attention reads the blocks. Logits are computed only for
+the last token of sequences that sample in this step.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engines.config import ModelConfig
+from engines.model import AttentionMetadata, LlamaModel
+from engines.sampler import Sampler
+from engines.scheduler import ScheduledSeq, SchedulerOutput, StepResult
+from engines.static_scheduler import PAD_BLOCK
+
+
+class KVCache:
+    """Per-layer K and V tensors ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``.
+
+    The extra last block is scratch space for static-batching padding rows.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu"):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (cfg.num_hidden_layers, 2, num_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self.scratch_block = num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class ModelExecutor:
+    """Runs real forward passes.
+
+    Args:
+        model: the loaded model.
+        num_blocks, block_size: KV pool geometry (must match the scheduler's KV manager).
+        seed: seed of the shared sampling generator.
+        step_delay_s: test-only knob: extra seconds of busy work added to every step.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, step_delay_s: float = 0.0):
+        self.model = model
+        self.kv = KVCache(model.cfg, num_blocks, block_size, model.dtype)
+        self.sampler = Sampler(seed)
+        self.step_delay_s = step_delay_s
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0):
+        return cls(LlamaModel.from_dir(model_dir, dtype), num_blocks, block_size, seed)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (sampling generator) of a finished request."""
+        self.sampler.release(request_id)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; returns sampled tokens of the sequences with ``sample`` and the duration (s)."""
+        t0 = time.perf_counter()
+        if out.is_empty:
+            return StepResult({}, 0.0)
+        seqs = sorted(out.seqs, key=lambda s: not self._is_decode(s))  # decode rows first
+        input_ids, positions, meta, last_idx = self._prepare(seqs)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
+        sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
+        sampled = {}
+        if sample_seqs:
+            rows = torch.tensor([last_idx[s.request_id] for s in sample_seqs])
+            logits = self.model.compute_logits(hidden[rows])
+            toks = self.sampler.sample(logits, [s.request_id for s in sample_seqs], [s.sampling_params for s in sample_seqs])
+            sampled = {s.request_id: t for s, t in zip(sample_seqs, toks)}
+        if self.step_delay_s:
+            _busy_wait(self.step_delay_s)
+        return StepResult(sampled, time.perf_counter() - t0)
+
+    @staticmethod
+    def _is_decode(s: ScheduledSeq) -> bool:
+        return s.num_tokens == 1 and s.start_pos > 0 and not s.is_padding
+
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        bs = self.kv.block_size
+        ids, pos, slots = [], [], []
+        last_idx: dict[str, int] = {}
+        dec_tables, dec_lens, prefills = [], [], []
+        for s in seqs:
+            off = len(ids)
+            table = [self.kv.scratch_block] if s.is_padding or s.block_table == [PAD_BLOCK] else s.block_table
+            ids.extend(s.token_ids)
+            p = range(s.start_pos, s.start_pos + s.num_tokens)
+            pos.extend(p)
+            slots.extend(table[i // bs] * bs + i % bs for i in p)
+            last_idx[s.request_id] = len(ids) - 1
+            if self._is_decode(s):
+                dec_tables.append(table)
+                dec_lens.append(s.context_len)
+            else:
+                prefills.append((off, s.num_tokens, s.start_pos, torch.tensor(table[: -(-s.context_len // bs)])))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=prefills)
+        if dec_tables:
+            width = max(-(-n // bs) for n in dec_lens)
+            padded = [t[:width] + [t[0]] * (width - len(t[:width])) for t in dec_tables]
+            meta.num_decode_tokens = len(dec_tables)
+            meta.decode_block_tables = torch.tensor(padded)
+            meta.decode_context_lens = torch.tensor(dec_lens)
+        return torch.tensor(ids), torch.tensor(pos), meta, last_idx
+
+
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

@@ -1,0 +1,49 @@
+"""Per-request sampling and stopping parameters, in vLLM's shape (``SamplingParams``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        max_tokens: output tokens to generate at most (>= 1; smaller is rejected by the engine).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+        top_k: keep the k most likely tokens (0 or -1 = all).
+        top_p: keep the smallest set of tokens whose probability sums to at least p (1.0 = all).
+        seed: per-request seed; two requests with the same seed and prompt sample the same tokens.
+        stop: strings that end generation; the matched string is not included in ``text``.
+        ignore_eos: keep generating past the end-of-sequence token (benchmarks do this).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature <= 0.0 or self.top_k == 1
+
+    def validate(self) -> str | None:
+        """Return a one-line reason why these parameters are invalid, or None when they are fine."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.temperature < 0:
+            return f"temperature must be >= 0, got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < -1:
+            return f"top_k must be -1, 0 or positive, got {self.top_k}"
+        return None

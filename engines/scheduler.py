@@ -1,0 +1,279 @@
+"""The scheduler interface and the paged continuous-batching policy (no torch, no clock).
+
+Every engine (real model or cost model) drives a scheduler the same way::
+
+    scheduler.add_request(req)
+    out = scheduler.schedule()          # SchedulerOutput: which requests, how many tokens, block tables
+    result = executor.execute(out)      # StepResult: sampled tokens, duration
+    finished = scheduler.update(out, result)
+
+The paged policy follows vLLM V1: there are no prefill/decode phases, each request tracks
+``num_computed_tokens`` and each step fills one token budget (``max_num_batched_tokens``), running
+requests first, then waiting ones, at most ``max_num_seqs`` requests. A prompt larger than what is
+left of the budget is split across steps (chunked prefill). When a block cannot be allocated, the most
+recently admitted running request is preempted by recompute: its blocks are freed and it goes back
+to the head of ``waiting``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.config import SchedulerConfig
+from engines.kv_cache_manager import KVStats, PagedKVCacheManager
+from engines.request import Request, RequestStatus
+from engines.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step.
+
+    Attributes:
+        request_id: the request.
+        token_ids: the new tokens whose K/V this step computes (length = tokens scheduled).
+        start_pos: position of ``token_ids[0]`` (= ``num_computed_tokens`` before the step).
+        block_table: block ids holding positions ``0 .. start_pos + len(token_ids) - 1``.
+        sample: whether logits of the last token are needed (the request reaches its end this step).
+        sampling_params: how to sample the next token.
+        is_padding: a static-batching padding row: computed for its cost, output discarded.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    is_padding: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the last new token (cached + new)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the scheduled sequences, plus what the scheduler did to get there."""
+
+    seqs: list[ScheduledSeq]
+    preempted_ids: list[str] = field(default_factory=list)
+    kv_stats: KVStats | None = None
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class StepResult:
+    """What an executor returns: sampled token per request (those with ``sample``), duration in seconds."""
+
+    sampled: dict[str, int]
+    duration: float
+
+
+class Scheduler:
+    """Common request bookkeeping; subclasses implement admission (``schedule``) and KV release.
+
+    Args:
+        config: batching limits (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``...).
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- interface ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> bool:
+        """Queue a request, or reject it (status REJECTED, ``reject_reason`` set) and return False."""
+        reason = self.validate(request)
+        if reason is not None:
+            request.status = RequestStatus.REJECTED
+            request.reject_reason = reason
+            return False
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return True
+
+    def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance ``num_computed_tokens``, append sampled tokens, finish requests that stop.
+
+        A request stops on an EOS token (unless ``ignore_eos``) or when it has ``max_tokens``
+        outputs. Returns the requests that finished in this step.
+        """
+        finished = []
+        for seq in output.seqs:
+            if seq.is_padding:
+                continue
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += seq.num_tokens
+            if not seq.sample:
+                continue
+            tok = result.sampled[seq.request_id]
+            req.output_token_ids.append(tok)
+            if not req.sampling_params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
+                self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
+                finished.append(req)
+            elif req.num_output_tokens >= req.sampling_params.max_tokens:
+                self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.append(req)
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
+        """End a request (stop string, abort, ...): release its KV and drop it from the queues."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.status = status
+        req.stop_reason = stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a queued or running request; its KV is freed. None if unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def validate(self, request: Request) -> str | None:
+        """One-line reason to reject the request, or None."""
+        bad = request.sampling_params.validate()
+        if bad:
+            return f"request {request.request_id}: {bad}"
+        if request.num_prompt_tokens < 1:
+            return f"request {request.request_id}: empty prompt"
+        if request.max_total_tokens > self.config.max_model_len:
+            return (
+                f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) exceeds max_model_len ({self.config.max_model_len})"
+            )
+        return None
+
+    def _release(self, request: Request) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def kv_stats(self) -> KVStats:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class PagedScheduler(Scheduler):
+    """Continuous batching over a paged KV cache (vLLM V1-style token budget, recompute preemption).
+
+    Args:
+        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``.
+        kv: the paged KV cache manager.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
+        super().__init__(config)
+        self.kv = kv
+
+    def validate(self, request: Request) -> str | None:
+        reason = super().validate(request)
+        if reason is None and not self.kv.fits_ever(request):
+            reason = (
+                f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) "
+                f"exceeds the whole KV pool ({self.kv.num_blocks * self.kv.block_size} tokens)"
+            )
+        return reason
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = min(req.num_tokens_total - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, preempted):
+                break
+            seqs.append(self._seq(req, n))
+            budget -= n
+            idx += 1
+
+        # Admit waiting requests only when nothing was preempted in this step (as vLLM V1 does).
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens_total - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._seq(req, n))
+            budget -= n
+
+        return SchedulerOutput(
+            seqs=seqs,
+            preempted_ids=preempted,
+            kv_stats=self.kv_stats(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+        )
+
+    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
+        """Allocate for ``n`` tokens of ``req``, preempting the newest running requests as needed.
+
+        Returns False if ``req`` itself had to be preempted.
+        """
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        return ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=start + n == req.num_tokens_total,
+            sampling_params=req.sampling_params,
+        )
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+
+    def kv_stats(self) -> KVStats:
+        return self.kv.stats(self.running)
