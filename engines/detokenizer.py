@@ -13,10 +13,15 @@ from __future__ import annotations
 class IncrementalDetokenizer:
     """Feeds output tokens one by one; ``text`` grows only by complete characters.
 
+    Deltas returned by ``step`` are safe to stream: when stop strings are set, the last
+    ``len(longest stop) - 1`` characters are held back until they cannot begin a stop string, so text
+    already streamed is never taken back; ``flush`` returns what is held back once generation ends.
+    The deltas of ``step`` and ``flush`` always concatenate to ``text``.
+
     Args:
         tokenizer: a transformers tokenizer (``decode``).
         prompt_ids: the prompt's last few ids give the first output tokens their left context.
-        stop: stop strings; ``step`` reports the first one that appears.
+        stop: stop strings; ``step`` reports the earliest one that appears in the text.
     """
 
     CONTEXT = 5
@@ -28,9 +33,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
         self.stop = [s for s in (stop or []) if s]
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+        self._emitted = 0
 
     def step(self, token_id: int) -> tuple[str, str | None]:
-        """Add one token; returns ``(new_text, stop_string_or_None)``.
+        """Add one token; returns ``(text safe to stream now, stop string or None)``.
 
         When a stop string appears, ``text`` is cut just before it.
         """
@@ -43,10 +50,21 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         before = len(self.text)
         self.text += delta
-        for s in self.stop:
-            # search only where a match could newly end: the delta plus len(s)-1 characters before it
-            at = self.text.find(s, max(0, before - len(s) + 1))
-            if at != -1:
-                self.text = self.text[:at]
-                return self.text[before:] if at > before else "", s
-        return delta, None
+        # a match can only newly end inside the delta; the earliest match in the text wins
+        hits = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        if hits:
+            at, s = min(hits)
+            self.text = self.text[:at]
+            return self.flush(), s
+        return self._emit(len(self.text) - self._holdback), None
+
+    def flush(self) -> str:
+        """Text not yet returned (the held-back tail), once generation has ended."""
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        out = self.text[self._emitted : upto]
+        self._emitted = upto
+        return out

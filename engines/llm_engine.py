@@ -131,11 +131,16 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             det = self._detok.get(rid)
-            if det is not None and not req.is_finished:
-                _, stop = det.step(req.output_token_ids[-1])
-                if stop is not None:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-                    finished.append(req)
+            if det is None or req.status == RequestStatus.FINISHED_STOPPED:
+                continue
+            _, stop = det.step(req.output_token_ids[-1])
+            if stop is None:
+                continue
+            if req.is_finished:  # the last allowed token completed a stop string
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                finished.append(req)
         return [self._finish(r) for r in finished]
 
     def _finish(self, req: Request) -> RequestOutput:

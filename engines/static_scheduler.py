@@ -46,10 +46,6 @@ class StaticScheduler(Scheduler):
         return reason
 
     def schedule(self) -> SchedulerOutput:
-        if self.batch and all(r.is_finished for r in self.batch):
-            for r in self.batch:
-                self.kv.free(r)
-            self.batch = []
         if not self.batch:
             self._admit_batch()
         seqs = [self._seq(r) for r in self.batch]
@@ -86,10 +82,11 @@ class StaticScheduler(Scheduler):
         )
 
     def _release(self, request: Request) -> None:
-        # the reservation is held until the whole batch ends (see schedule); aborted waiting
-        # requests hold none
-        if request not in self.batch:
-            self.kv.free(request)
+        # reservations are held until the whole batch has ended; aborted waiting requests hold none
+        if self.batch and all(r.is_finished for r in self.batch):
+            for r in self.batch:
+                self.kv.free(r)
+            self.batch = []
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -1,0 +1,35 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tiny_llama_dir):
+    from tiny_model import make_tiny_llama
+
+    return {
+        "llama": tiny_llama_dir,
+        "qwen2": make_tiny_llama(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1),
+        "llama3": make_tiny_llama(tmp_path_factory.mktemp("tiny-llama3"), "llama3", seed=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M folder; pulled on first use (about a minute)."""
+    from engines.model_store import resolve_model
+
+    return resolve_model("smollm2-135m")
