@@ -229,6 +229,7 @@ class LLM:
         max_batch_size, reservation: static baseline knobs.
         seed: seed of the shared sampling generator.
         step_delay_s: test-only: busy-wait added to every step.
+        attention_backend: decode attention: ``auto`` (compiled CPU kernel when float32), ``torch``, ``cpp``.
 
     Raises:
         ModelNotFoundError: ``model`` is neither a known name nor a folder.
@@ -250,6 +251,7 @@ class LLM:
         reservation: str = "max",
         seed: int = 0,
         step_delay_s: float = 0.0,
+        attention_backend: str = "auto",
     ):
         import torch
         from transformers import AutoTokenizer
@@ -277,7 +279,7 @@ class LLM:
         cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes)
         elt = torch.tensor([], dtype=dtypes[dtype]).element_size()
         num_blocks = cache.num_blocks(mc.kv_bytes_per_token(elt), DEFAULT_KV_CACHE_TOKENS)
-        model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype])
+        model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype], attention_backend)
         executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s)
         self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size), executor, self.tokenizer)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id

@@ -72,6 +72,29 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "cpp")
+
+
+def _pick_decode_attention(backend: str, dtype: torch.dtype):
+    """Decode attention implementation: ``torch`` (reference, any dtype), ``cpp`` (compiled CPU kernel,
+    float32) or ``auto`` (cpp when float32 and it builds, else torch).
+
+    Raises:
+        ValueError: unknown backend, or ``cpp`` requested but unavailable.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    if backend == "torch":
+        return paged_attention_decode
+    from kernels import cpu_ops
+
+    if dtype == torch.float32 and cpu_ops.available():
+        return cpu_ops.paged_attention_decode
+    if backend == "cpp":
+        raise ValueError("attention_backend 'cpp' needs float32 and a C++ compiler")
+    return paged_attention_decode
+
+
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
     index = model_dir / "model.safetensors.index.json"
@@ -96,8 +119,10 @@ class LlamaModel:
         KeyError: a weight the architecture needs is missing.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 attention_backend: str = "auto"):
         self.cfg, self.dtype = cfg, dtype
+        self.decode_attention = _pick_decode_attention(attention_backend, dtype)
         w = {k: v.to(dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
@@ -130,9 +155,9 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+    def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> "LlamaModel":
         model_dir = Path(model_dir)
-        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype)
+        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -185,11 +210,12 @@ class LlamaModel:
 
     def _attention(self, q, k, v, kc, vc, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode_tokens
+        decode = self.decode_attention
         if nd and not meta.prefills:
-            return paged_attention_decode(q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            return decode(q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = paged_attention_decode(q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+            out[:nd] = decode(q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
         for off, n, start, table in meta.prefills:
             sl = slice(off, off + n)
             if start == 0:  # nothing cached before: attend to this step's own K/V

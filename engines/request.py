@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: queue membership tests must not compare fields
 class Request:
     """One generation request.
 
@@ -59,9 +59,19 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
 
+    def __post_init__(self) -> None:
+        # prompt + outputs in one list, appended to in place, so a step's slice costs O(tokens scheduled)
+        self._all: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt followed by output tokens (a live list: do not mutate)."""
+        return self._all
+
+    def append_output(self, token_id: int) -> None:
+        """Record one generated token."""
+        self.output_token_ids.append(token_id)
+        self._all.append(token_id)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,7 +84,7 @@ class Request:
     @property
     def num_tokens_total(self) -> int:
         """Prompt plus output tokens so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all)
 
     @property
     def max_total_tokens(self) -> int:

@@ -132,7 +132,7 @@ class Scheduler:
             if not seq.sample:
                 continue
             tok = result.sampled[seq.request_id]
-            req.output_token_ids.append(tok)
+            req.append_output(tok)
             if not req.sampling_params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
                 self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
                 finished.append(req)
