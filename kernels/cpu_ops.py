@@ -41,7 +41,7 @@ def load():
         _mod = _load(
             name="workbench_paged_attention_cpu",
             sources=[str(_SRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(_build_dir()),
             verbose=False,

@@ -1,0 +1,112 @@
+"""Step-time cost model for the simulator: predicts a step's duration from its batch (no torch).
+
+A step's time is modelled as a linear function of what it computes (least squares on measured steps)::
+
+    t = c0 + c_tok * tokens + c_ctx * decode_context_tokens + c_pf_attn * prefill_attention_pairs
+          + c_lm * sampled_rows
+
+``tokens`` = prefill + decode tokens (every GEMM row; static padding rows included), ``decode_context_
+tokens`` = sum of the context lengths the decode rows attend to (KV bytes read), ``prefill_attention_
+pairs`` = sum over prefill chunks of n * (start + n) (query-key pairs, causal work up to a factor 2),
+``sampled_rows`` = rows that go through the LM head. ``c0`` is the per-step fixed cost (weights read
+once, Python overhead). The same features are what Vidur's execution-time predictor uses for attention
+and MLP operators, folded into one model here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
+
+
+def step_features(seqs) -> dict[str, float]:
+    """Features of one step from its scheduled sequences (objects with ``num_tokens``, ``start_pos``,
+    ``sample``, ``is_padding``)."""
+    tokens = decode_ctx = prefill_attn = sampled = 0
+    for s in seqs:
+        n = s.num_tokens
+        tokens += n
+        if n == 1 and (s.start_pos > 0 or s.is_padding):
+            decode_ctx += s.start_pos + 1
+        else:
+            prefill_attn += n * (s.start_pos + n)
+        if s.sample and not s.is_padding:
+            sampled += 1
+    return {"const": 1.0, "tokens": tokens, "decode_ctx": decode_ctx, "prefill_attn": prefill_attn, "sampled": sampled}
+
+
+@dataclass
+class CostModel:
+    """Coefficients in seconds per unit of each feature.
+
+    Attributes:
+        coef: feature name -> seconds per unit (``const`` in seconds per step).
+        source: where the coefficients came from (profile file, machine).
+        fit_error: held-out error figures from ``workbench profile`` (mean/max relative error).
+    """
+
+    coef: dict[str, float]
+    source: str = ""
+    fit_error: dict[str, float] = field(default_factory=dict)
+
+    def predict_features(self, f: dict[str, float]) -> float:
+        return max(0.0, sum(self.coef.get(k, 0.0) * f[k] for k in FEATURES))
+
+    def predict(self, seqs) -> float:
+        """Predicted duration (s) of a step that runs ``seqs``."""
+        return self.predict_features(step_features(seqs)) if seqs else 0.0
+
+    @classmethod
+    def fit(cls, rows: list[tuple[dict[str, float], float]], source: str = "") -> "CostModel":
+        """Least-squares fit (non-negative coefficients) of measured ``(features, seconds)`` rows.
+
+        Raises:
+            ValueError: fewer rows than features.
+        """
+        import numpy as np
+
+        if len(rows) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(rows)}")
+        x = np.array([[f[k] for k in FEATURES] for f, _ in rows], dtype=float)
+        y = np.array([t for _, t in rows], dtype=float)
+        # relative-error weighting: small steps matter as much as big ones
+        w = 1.0 / np.maximum(y, 1e-6)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        sol = _nonneg_lstsq((x / scale) * w[:, None], y * w)
+        return cls({k: float(c / s) for k, c, s in zip(FEATURES, sol, scale)}, source)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        """Read a profile JSON written by ``save``.
+
+        Raises:
+            ValueError: the file is missing or not a cost model.
+        """
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+            return cls(coef={k: float(v) for k, v in d["coef"].items()}, source=d.get("source", str(p)),
+                       fit_error=d.get("fit_error", {}))
+        except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"{p}: not a cost-model profile ({e})") from None
+
+
+def _nonneg_lstsq(a, b):
+    """Least squares with non-negative coefficients: drop the most negative column and refit until
+    none is negative (a small active-set method; enough for five features)."""
+    import numpy as np
+
+    active = list(range(a.shape[1]))
+    while True:
+        sol = np.zeros(a.shape[1])
+        coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        sol[active] = coef
+        if (coef >= 0).all() or len(active) == 1:
+            return np.maximum(sol, 0.0)
+        active.pop(int(np.argmin(coef)))

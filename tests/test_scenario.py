@@ -1,0 +1,244 @@
+"""Scenario YAML files (workbench.scenario): validation, one-line errors, overrides, hashing."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import textwrap
+
+import pytest
+import yaml
+
+from workbench.scenario import (
+    Scenario,
+    ScenarioError,
+    apply_overrides,
+    builtin_traces,
+    load_scenario,
+    load_scenario_trace,
+    parse_overrides,
+    scenario_hash,
+    validate_scenario,
+)
+from workbench.traces import BUILTIN_TRACE_DIR
+
+VALID = """\
+name: conv-small
+description: Azure conversation slice on both engines
+seed: 7
+trace:
+  format: azure
+  path: traces/conv.csv
+  limit: 40
+  request_rate: 4.0
+  max_input_tokens: 1024
+engines:
+  - name: paged
+    kind: paged
+    kv_cache_tokens: 16384
+  - name: static
+    kind: static
+    reservation: pow2
+    max_batch_size: 8
+  - {name: sim-paged, kind: sim}
+slo:
+  ttft_ms: 2000
+  tpot_ms: 150
+"""
+
+
+@pytest.fixture
+def scen_dir(tmp_path):
+    (tmp_path / "traces").mkdir()
+    shutil.copy(BUILTIN_TRACE_DIR / "azure_conv_slice.csv", tmp_path / "traces" / "conv.csv")
+    return tmp_path
+
+
+def write(folder, text, name="s.yaml"):
+    p = folder / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def scenario_error(path, **kwargs) -> str:
+    with pytest.raises(ScenarioError) as ei:
+        load_scenario(path, **kwargs)
+    msg = str(ei.value)
+    assert "\n" not in msg, msg
+    assert msg.startswith(f"{path}: "), msg
+    return msg
+
+
+# ------------------------------------------------------------------------------------------- valid
+
+
+def test_valid_scenario_defaults_paths_and_round_trip(scen_dir):
+    p = write(scen_dir, VALID)
+    sc = load_scenario(p)
+    assert sc.name == "conv-small" and sc.model == "smollm2-135m" and sc.seed == 7
+    assert sc.trace_path() == scen_dir / "traces" / "conv.csv"
+    assert sc.base_dir == scen_dir
+    paged, static, sim = sc.engines
+    assert (paged.block_size, paged.max_num_seqs, paged.max_num_batched_tokens, paged.dtype) == (16, 256, 2048, "float32")
+    assert (static.reservation, static.max_batch_size, static.policy, static.cost_model) == ("pow2", 8, None, None)
+    assert (sim.policy, sim.cost_model) == ("paged", "builtin:cpu") and sc.cost_model_path(sim) is None
+    assert sc.slo.ttft_ms == 2000 and sc.slo.e2el_ms is None
+    assert sc.engine("static") is static
+    with pytest.raises(KeyError, match="paged, static, sim-paged"):
+        sc.engine("nope")
+    # dump -> YAML -> load gives the same scenario and hash
+    again = write(scen_dir, yaml.safe_dump(sc.model_dump(mode="json"), sort_keys=False), "again.yaml")
+    sc2 = load_scenario(again)
+    assert sc2 == sc and scenario_hash(sc2) == scenario_hash(sc)
+    reqs = load_scenario_trace(sc)
+    assert len(reqs) == 40 and reqs[0].arrival_s == 0.0
+    assert max(r.prompt_tokens for r in reqs) <= 1024
+    assert all(len(r.prompt_token_ids) == r.prompt_tokens for r in reqs)
+    assert load_scenario_trace(sc) == reqs  # deterministic from the seed
+
+
+def test_builtin_paths_synthetic_and_mooncake(tmp_path):
+    assert "mooncake_slice.jsonl" in builtin_traces() and "ATTRIBUTION.md" not in builtin_traces()
+    p = write(tmp_path, """\
+        name: mc
+        trace: {format: mooncake, path: "builtin:mooncake_slice.jsonl", block_tokens: 16, sample: 20,
+                max_output_tokens: 32}
+        engines: [{name: paged, kind: paged}]
+        """)
+    sc = load_scenario(p)
+    assert sc.trace_path() == BUILTIN_TRACE_DIR / "mooncake_slice.jsonl"
+    reqs = load_scenario_trace(sc, vocab_hi=1000)
+    assert len(reqs) == 20 and all(len(r.prompt_token_ids) == r.prompt_tokens for r in reqs)
+    assert all(100 <= t < 1000 for r in reqs for t in r.prompt_token_ids)
+    assert max(r.output_tokens for r in reqs) <= 32
+    syn = write(tmp_path, """\
+        name: syn
+        trace:
+          format: synthetic
+          synthetic: {num_requests: 30, request_rate: .inf, lengths: file,
+                      lengths_path: "builtin:sarathi_sharegpt_lengths_slice.csv", input_max: 256}
+        engines: [{name: s, kind: static}]
+        """, "syn.yaml")
+    sc = load_scenario(syn)
+    reqs = load_scenario_trace(sc)
+    assert len(reqs) == 30 and all(r.arrival_s == 0 for r in reqs)
+    assert max(r.prompt_tokens for r in reqs) <= 256
+    assert sc.trace.synthetic.request_rate == math.inf
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+def test_missing_file_and_yaml_syntax(tmp_path):
+    missing = tmp_path / "none.yaml"
+    assert "no such file" in scenario_error(missing)
+    bad = write(tmp_path, "name: x\ntrace:\n  format: azure\n   path: a.csv\nengines: []\n")
+    msg = scenario_error(bad)
+    assert "line 4" in msg and "YAML syntax error" in msg
+    dup = write(tmp_path, "name: x\nname: y\n", "dup.yaml")
+    msg = scenario_error(dup)
+    assert "line 2" in msg and "duplicate key 'name'" in msg
+    empty = write(tmp_path, "", "empty.yaml")
+    assert "empty" in scenario_error(empty)
+    lst = write(tmp_path, "- a\n- b\n", "list.yaml")
+    assert "(top level): expected a mapping" in scenario_error(lst)
+
+
+@pytest.mark.parametrize("old, new, field, what", [
+    ("reservation: pow2", "reservation: maxx", "engines.1.reservation", "'max', 'pow2' or 'oracle', got 'maxx' (line 16)"),
+    ("    max_batch_size: 8", "    max_batch_sise: 8", "engines.1.max_batch_sise", "unknown field; allowed: name, kind"),
+    ("  limit: 40", "  limt: 40", "trace.limt", "unknown field; allowed: format, path, limit"),
+    ("name: conv-small\n", "", "name", "required field is missing"),
+    ("format: azure", "format: splitwise", "trace.format", "'azure', 'mooncake'"),
+    ("request_rate: 4.0", "request_rate: -1", "trace.request_rate", "greater than 0"),
+    ("kind: static", "kind: dynamic", "engines.1.kind", "'paged', 'static' or 'sim'"),
+    ("max_batch_size: 8", "max_batch_size: 8.5", "engines.1.max_batch_size", "integer"),
+    ("max_batch_size: 8", "max_batch_size: yes", "engines.1.max_batch_size", "got a boolean (true)"),
+    ("name: static", "name: paged", "engines", "'paged' is engines.0 and engines.1"),
+    ("kv_cache_tokens: 16384", "kv_cache_tokens: 16384\n    kv_cache_bytes: 100", "engines.0",
+     "kv_cache_tokens or kv_cache_bytes, not both"),
+    ("reservation: pow2", "policy: static", "engines.1", "policy is only for kind sim"),
+    ("{name: sim-paged, kind: sim}", "{name: sim-paged, kind: sim, cost_model: builtin:gpu}", "engines.2",
+     "builtin cost models: builtin:cpu"),
+    ("{name: sim-paged, kind: sim}", "{name: sim-paged, kind: sim, cost_model: prof.json}", "engines.2.cost_model",
+     "no such file"),
+    ("path: traces/conv.csv", "path: traces/other.csv", "trace.path", "no such file"),
+    ("path: traces/conv.csv", "path: builtin:nope.csv", "trace.path", "builtin traces: azure_code_slice.csv"),
+    ("  path: traces/conv.csv\n", "", "trace", "format azure needs a path"),
+    ("  limit: 40", "  block_tokens: 16", "trace", "block_tokens is only for format mooncake"),
+    ("  ttft_ms: 2000\n  tpot_ms: 150\n", "  {}\n", "slo", "at least one of ttft_ms"),
+    ("  tpot_ms: 150", "  tpot_ms: 0", "slo.tpot_ms", "greater than 0"),
+    ("seed: 7", "seed: -1", "seed", "greater than or equal to 0"),
+    ("  - {name: sim-paged, kind: sim}", "  - {name: 'a.b', kind: sim}", "engines.2.name", "letters, digits"),
+])
+def test_validation_errors_one_line(scen_dir, old, new, field, what):
+    assert old in VALID
+    p = write(scen_dir, VALID.replace(old, new))
+    msg = scenario_error(p)
+    assert f": {field}: " in msg, msg
+    assert what in msg, msg
+
+
+def test_synthetic_section_errors(tmp_path):
+    base = "name: s\nengines: [{name: a, kind: paged}]\ntrace:\n  format: synthetic\n"
+    msg = scenario_error(write(tmp_path, base))
+    assert ": trace: format synthetic needs a 'synthetic' section" in msg
+    msg = scenario_error(write(tmp_path, base + "  synthetic: {num_requests: 3, request_rate: 1, lengths: uniform}\n"))
+    assert ": trace.synthetic: lengths uniform needs input_range" in msg
+    msg = scenario_error(write(tmp_path, base + "  synthetic: {num_requests: 3, request_rate: 1, burst: 2}\n"))
+    assert ": trace.synthetic.burst: unknown field; allowed: num_requests, request_rate, burstiness" in msg
+
+
+# --------------------------------------------------------------------------------------- overrides
+
+
+def test_overrides_by_engine_name_and_index(scen_dir):
+    p = write(scen_dir, VALID)
+    data = yaml.safe_load(p.read_text())
+    out = apply_overrides(data, {"engines.static.max_batch_size": 16, "trace.request_rate": 2,
+                                 "engines.0.block_size": 32, "slo.e2el_ms": 9000, "trace.max_input_tokens": None,
+                                 "engines.sim-paged.policy": "static"})
+    assert data["engines"][1]["max_batch_size"] == 8 and data["trace"]["request_rate"] == 4.0  # input unchanged
+    sc = validate_scenario(out, base_dir=scen_dir)
+    assert sc.engine("static").max_batch_size == 16 and sc.engine("paged").block_size == 32
+    assert sc.trace.request_rate == 2.0 and sc.trace.max_input_tokens is None and sc.slo.e2el_ms == 9000
+    assert sc.engine("sim-paged").policy == "static"
+    with pytest.raises(ScenarioError, match="no engine named 'fast'.*engines: paged, static, sim-paged"):
+        apply_overrides(data, {"engines.fast.max_num_seqs": 1})
+    with pytest.raises(ScenarioError, match="name is a value"):
+        apply_overrides(data, {"name.x": 1})
+    # new sections are created; validation then catches typos
+    no_slo = {k: v for k, v in data.items() if k != "slo"}
+    assert apply_overrides(no_slo, {"slo.ttft_ms": 5})["slo"] == {"ttft_ms": 5}
+    with pytest.raises(ScenarioError, match="engines.0.max_num_seq: unknown field"):
+        validate_scenario(apply_overrides(data, {"engines.paged.max_num_seq": 4}), base_dir=scen_dir)
+    # through load_scenario (strings from a command line parse as YAML)
+    sc = load_scenario(p, overrides=parse_overrides(["engines.paged.max_num_seqs=16", "trace.limit=5"]))
+    assert sc.engine("paged").max_num_seqs == 16 and sc.trace.limit == 5
+    msg = scenario_error(p, overrides={"engines.static.reservation": "all"})
+    assert ": engines.1.reservation: " in msg
+    with pytest.raises(ScenarioError, match="expected KEY=VALUE"):
+        parse_overrides(["trace.limit"])
+
+
+# ------------------------------------------------------------------------------------------- hash
+
+
+def test_scenario_hash_stable_and_sensitive(scen_dir):
+    p = write(scen_dir, VALID)
+    h = scenario_hash(load_scenario(p))
+    assert len(h) == 16 and int(h, 16) >= 0
+    assert scenario_hash(load_scenario(p)) == h
+    # key order and spelled-out defaults do not matter
+    data = yaml.safe_load(p.read_text())
+    reordered = dict(reversed(list(data.items())))
+    reordered["engines"][0] = {**reordered["engines"][0], "block_size": 16, "dtype": "float32"}
+    assert scenario_hash(validate_scenario(reordered, base_dir=scen_dir)) == h
+    # a knob changes it
+    other = validate_scenario(apply_overrides(data, {"engines.paged.max_num_seqs": 8}), base_dir=scen_dir)
+    assert scenario_hash(other) != h
+    # paths hash as written, not resolved: a moved scenario keeps its hash
+    moved = scen_dir / "moved"
+    shutil.copytree(scen_dir / "traces", moved / "traces")
+    assert scenario_hash(load_scenario(write(moved, VALID))) == h
+    assert isinstance(Scenario.model_validate(data), Scenario)
