@@ -71,9 +71,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=512)
-    ap.add_argument("--kv-cache-tokens", type=int, default=131072)
+    ap.add_argument("--kv-cache-tokens", type=int, default=65536)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--skip", nargs="*", default=[], help="any of: static hf_generate hf_generate_batch vllm")
+    ap.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[16, 64])
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "throughput.json"))
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -89,10 +90,10 @@ def main() -> None:
     for n in a.num_prompts:
         prompts = truncate_prompts(load_sharegpt_prompts(n), tok, a.max_prompt_tokens)
         plen = [len(tok(p)["input_ids"]) for p in prompts]
-        print(f"== {n} requests, prompt tokens mean {sum(plen) / n:.0f}, max {max(plen)}", flush=True)
+        print(f"== {n} requests, {a.max_tokens} output tokens each, prompt tokens mean {sum(plen) / n:.0f}, max {max(plen)}", flush=True)
         configs = [("paged", dict(engine="paged", max_num_seqs=256, max_num_batched_tokens=2048))]
         if "static" not in a.skip:
-            configs += [(f"static-{r}", dict(engine="static", reservation=r, max_batch_size=64)) for r in ("max", "pow2", "oracle")]
+            configs += [(f"static-{r}", dict(engine="static", reservation=r, max_batch_size=256)) for r in ("max", "pow2", "oracle")]
         for name, knobs in configs:
             r = run_ours(model_dir, prompts, a.max_tokens, name, **knobs, **common)
             print(f"  {name:22s} {r['output_tok_per_s']:8.1f} tok/s  ({r['elapsed_s']} s, max batch {r['max_batch']})", flush=True)
@@ -100,7 +101,7 @@ def main() -> None:
         peer_args = ["--model", str(model_dir), "--num-prompts", str(n), "--max-tokens", str(a.max_tokens)]
         peers = []
         if "hf_generate" not in a.skip:
-            peers += [("hf_peer.py", Path(sys.executable), ["--mode", "generate", "--batch-size", str(b)], f"hf-generate-b{b}") for b in (16, 64)]
+            peers += [("hf_peer.py", Path(sys.executable), ["--mode", "generate", "--batch-size", str(b)], f"hf-generate-b{b}") for b in a.hf_batch_sizes]
         if "hf_generate_batch" not in a.skip:
             peers += [("hf_peer.py", Path(sys.executable), ["--mode", "generate_batch"], "hf-generate_batch")]
         if "vllm" not in a.skip and VLLM_PYTHON.exists():

@@ -123,6 +123,7 @@ class LlamaModel:
                  attention_backend: str = "auto"):
         self.cfg, self.dtype = cfg, dtype
         self.decode_attention = _pick_decode_attention(attention_backend, dtype)
+        self.fused = self.decode_attention is not paged_attention_decode  # compiled CPU ops available
         w = {k: v.to(dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
@@ -190,6 +191,8 @@ class LlamaModel:
         """
         cfg = self.cfg
         h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.fused:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
         t = input_ids.shape[0]
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         x = self.embed[input_ids]
@@ -207,6 +210,31 @@ class LlamaModel:
             gate, up = F.linear(y, layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
         return self._rms(x, self.norm)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
+        """The same computation with compiled CPU ops: residual add + RMSNorm in one pass, RoPE in
+        place, SiLU-and-mul in one pass (float32 only)."""
+        from kernels import cpu_ops
+
+        cfg = self.cfg
+        h, kvh, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        t = input_ids.shape[0]
+        x = self.embed[input_ids]
+        delta = None
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            y = cpu_ops.fused_add_rms_norm(x, delta, layer["ln1"], eps)
+            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            cpu_ops.rope_inplace(q, positions, self.cos, self.sin)
+            cpu_ops.rope_inplace(k, positions, self.cos, self.sin)
+            write_kv(kc, vc, k, v, meta.slot_mapping)
+            attn = self._attention(q, k, v, kc, vc, meta)
+            o = F.linear(attn.reshape(t, h * d), layer["o"])
+            y = cpu_ops.fused_add_rms_norm(x, o, layer["ln2"], eps)
+            delta = F.linear(cpu_ops.silu_and_mul(F.linear(y, layer["gate_up"])), layer["down"])
+        return cpu_ops.fused_add_rms_norm(x, delta, self.norm, eps)
 
     def _attention(self, q, k, v, kc, vc, meta: AttentionMetadata) -> torch.Tensor:
         nd = meta.num_decode_tokens

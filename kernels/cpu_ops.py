@@ -56,6 +56,21 @@ def available() -> bool:
     return load() is not None
 
 
+def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (if given), then return ``w * x / sqrt(mean(x^2) + eps)``; x ``[T, hidden]`` float32."""
+    return load().fused_add_rms_norm(x, delta, w, float(eps))
+
+
+def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding (rotate-half) in place on ``x [T, heads, head_dim]``; tables ``[max_pos, head_dim]``."""
+    load().rope_inplace(x, positions, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32."""
+    return load().silu_and_mul(x)
+
+
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
     """Same contract as ``kernels.paged_attention.paged_attention_decode`` (float32, CPU, contiguous).
 

@@ -11,10 +11,10 @@
 
 namespace {
 
-// exp for x <= 0 (max-subtracted scores): Cephes-style range reduction and polynomial,
-// relative error about 2e-7; written without calls so the loop vectorizes.
-inline float exp_neg(float x) {
-  x = x < -87.f ? -87.f : x;
+// exp(x) for x in [-87, 88] (clamped): Cephes-style range reduction and polynomial, relative error
+// about 2e-7; written without library calls so loops over it vectorize.
+inline float fast_exp(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -68,7 +68,7 @@ void attend_seq(const float* __restrict qb, const float* __restrict kp, const fl
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < ctx; ++t) {
-      const float e = exp_neg(sg[t] - m);
+      const float e = fast_exp(sg[t] - m);
       sg[t] = e;
       sum += e;
     }
@@ -138,7 +138,88 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+
+// x += delta (in place, when delta is given), then out = w * (x / sqrt(mean(x^2) + eps)); rows in parallel.
+// Same order of operations as transformers' LlamaRMSNorm in float32.
+torch::Tensor fused_add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.is_contiguous(), "fused_add_rms_norm: float32, contiguous");
+  const int64_t T = x.size(0), N = x.size(1);
+  auto out = torch::empty_like(x);
+  float* xp = x.data_ptr<float>();
+  const float* dp = delta.has_value() ? delta->contiguous().data_ptr<float>() : nullptr;
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* __restrict xr = xp + t * N;
+      float* __restrict orow = op + t * N;
+      if (dp) {
+        const float* __restrict dr = dp + t * N;
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) xr[i] += dr[i];
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
+      const float r = 1.f / std::sqrt(ss / N + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) orow[i] = wp[i] * (xr[i] * r);
+    }
+  });
+  return out;
+}
+
+// Rotary embedding in place on x [T, heads, D] (rotate-half convention) with cos/sin tables [P, D].
+void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.stride(2) == 1, "rope_inplace: float32, last dim contiguous");
+  const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  auto pos = positions.to(torch::kInt64).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict c = cp + pp[t] * D;
+      const float* __restrict s = sp + pp[t] * D;
+      for (int64_t h = 0; h < Hn; ++h) {
+        float* __restrict v = xp + t * st + h * sh;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = v[i], b = v[i + half];
+          v[i] = a * c[i] + (-b) * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// out = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (gate and up fused).
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "silu_and_mul: float32, contiguous");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* __restrict g = xp + t * 2 * I;
+      const float* __restrict u = g + I;
+      float* __restrict o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "paged decode attention (float32, CPU): q [B,H,D], caches [NB,bs,KVH,D], block_tables [B,MB], context_lens [B]");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "x += delta; return rmsnorm(x) * w (float32)");
+  m.def("rope_inplace", &rope_inplace, "rotary embedding in place (float32)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32)");
 }
