@@ -97,15 +97,20 @@ class PagedKVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def stats(self, requests: list[Request]) -> KVStats:
-        """Slot accounting for the requests that hold blocks (see module docstring)."""
+    def stats(self, requests: list[Request], scheduled: dict[str, int] | None = None) -> KVStats:
+        """Slot accounting for the requests that hold blocks (see module docstring).
+
+        ``scheduled`` (request id -> tokens computed in the step being accounted) counts those tokens'
+        slots as holding token states: the step writes them.
+        """
+        scheduled = scheduled or {}
         allocated = self.pool.num_used_blocks * self.block_size
         states = reserved = 0
         for r in requests:
             held = len(self.block_tables.get(r.request_id, ())) * self.block_size
             if not held:
                 continue
-            s = min(r.num_computed_tokens, held)
+            s = min(r.num_computed_tokens + scheduled.get(r.request_id, 0), held)
             states += s
             reserved += min(held - s, r.max_total_tokens - s)
         return KVStats(
@@ -183,8 +188,10 @@ class ContiguousKVCacheManager:
         start, n, _ = self.runs[request_id]
         return list(range(start, start + n))
 
-    def stats(self, requests: list[Request]) -> KVStats:
-        """Slot accounting: a reservation is allocated from admission to release."""
+    def stats(self, requests: list[Request], scheduled: dict[str, int] | None = None) -> KVStats:
+        """Slot accounting: a reservation is allocated from admission to release (``scheduled`` as
+        in ``PagedKVCacheManager.stats``)."""
+        scheduled = scheduled or {}
         allocated = states = reserved = internal = external = 0
         for r in requests:
             run = self.runs.get(r.request_id)
@@ -193,7 +200,7 @@ class ContiguousKVCacheManager:
             _, n, slots = run
             allocated += n * self.block_size
             external += n * self.block_size - slots
-            s = min(r.num_computed_tokens, slots)
+            s = min(r.num_computed_tokens + scheduled.get(r.request_id, 0), slots)
             states += s
             res = min(slots - s, max(0, r.max_total_tokens - s))
             reserved += res

@@ -40,8 +40,10 @@ class RequestOutput:
     error: str | None = None
     num_preemptions: int = 0
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
 
 _FINISH_REASON = {
@@ -166,8 +168,10 @@ class LLMEngine:
             error=req.reject_reason,
             num_preemptions=req.num_preemptions,
             arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             finished_time=req.finished_time,
+            token_times=req.token_times,
         )
 
     def _record(self, out, start: float, duration: float) -> None:

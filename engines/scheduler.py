@@ -180,7 +180,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def kv_stats(self) -> KVStats:  # pragma: no cover - abstract
+    def kv_stats(self, scheduled: dict[str, int] | None = None) -> KVStats:  # pragma: no cover - abstract
+        """Slot accounting now; ``scheduled`` tokens (request id -> count) count as written."""
         raise NotImplementedError
 
 
@@ -235,7 +236,7 @@ class PagedScheduler(Scheduler):
         return SchedulerOutput(
             seqs=seqs,
             preempted_ids=preempted,
-            kv_stats=self.kv_stats(),
+            kv_stats=self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding}),
             num_running=len(self.running),
             num_waiting=len(self.waiting),
         )
@@ -275,5 +276,5 @@ class PagedScheduler(Scheduler):
     def _release(self, request: Request) -> None:
         self.kv.free(request)
 
-    def kv_stats(self) -> KVStats:
-        return self.kv.stats(self.running)
+    def kv_stats(self, scheduled: dict[str, int] | None = None) -> KVStats:
+        return self.kv.stats(self.running, scheduled)

@@ -75,6 +75,21 @@ class StepEndEvent(Event):
     """The engine finished a step; it starts the next one if it has work."""
 
 
+def build_sim_engine(policy: str, model_config, cost_model: CostModel, block_size: int = 16,
+                     kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None, dtype_bytes: int = 4,
+                     **sched_knobs) -> LLMEngine:
+    """A simulated engine with the same knobs as the real one (``policy`` = ``paged`` or ``static``;
+    ``sched_knobs`` are ``SchedulerConfig`` fields; ``max_model_len`` defaults to the model's)."""
+    from engines.config import CacheConfig, SchedulerConfig
+    from engines.llm_engine import DEFAULT_KV_CACHE_TOKENS, build_scheduler
+
+    knobs = {k: v for k, v in sched_knobs.items() if v is not None}
+    knobs.setdefault("max_model_len", model_config.max_position_embeddings)
+    cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes)
+    num_blocks = cache.num_blocks(model_config.kv_bytes_per_token(dtype_bytes), DEFAULT_KV_CACHE_TOKENS)
+    return make_sim_engine(build_scheduler(policy, SchedulerConfig(**knobs), num_blocks, block_size), cost_model)
+
+
 def make_sim_engine(scheduler: Scheduler, cost_model: CostModel) -> LLMEngine:
     """An ``LLMEngine`` over ``scheduler`` whose executor is the cost model on a virtual clock."""
     clock = VirtualClock()

@@ -53,7 +53,7 @@ class StaticScheduler(Scheduler):
             seqs = []
         return SchedulerOutput(
             seqs=seqs,
-            kv_stats=self.kv_stats(),
+            kv_stats=self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding}),
             num_running=sum(not r.is_finished for r in self.batch),
             num_waiting=len(self.waiting),
         )
@@ -91,5 +91,5 @@ class StaticScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def kv_stats(self) -> KVStats:
-        return self.kv.stats(self.batch)
+    def kv_stats(self, scheduled: dict[str, int] | None = None) -> KVStats:
+        return self.kv.stats(self.batch, scheduled)

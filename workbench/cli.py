@@ -92,6 +92,142 @@ def generate(
         raise typer.Exit(1)
 
 
+trace_app = typer.Typer(help="Inspect workload traces.", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("inspect")
+def trace_inspect(path: str = typer.Argument(..., help="trace file"),
+                  fmt: str = typer.Option(None, "--format", help="azure | mooncake | burstgpt | sharegpt | vidur (default: from the file name)"),
+                  as_json: bool = typer.Option(False, "--json")) -> None:
+    """Print a trace's format, count, duration, rate, burstiness and length percentiles."""
+    from workbench.traces import TraceError, load_trace, trace_stats
+
+    fmt = fmt or _guess_format(path)
+    try:
+        reqs = load_trace(fmt, path, **({"token_ids": False} if fmt == "mooncake" else {}))
+    except TraceError as e:
+        fail(str(e))
+    st = trace_stats(reqs)
+    st["format"] = fmt
+    if as_json:
+        typer.echo(json.dumps(st, indent=2))
+        return
+    typer.echo(f"format {fmt}, {st['count']} requests over {st['duration_s']:.1f} s: {st['rate']:.3f} req/s, "
+               f"burstiness (inter-arrival CV) {st['burstiness']:.2f}")
+    for k in ("prompt_tokens", "output_tokens"):
+        d = st[k]
+        typer.echo(f"  {k:14s} mean {d['mean']:.0f}  p50 {d['p50']:.0f}  p90 {d['p90']:.0f}  p99 {d['p99']:.0f}  max {d['max']:.0f}")
+
+
+def _guess_format(path: str) -> str:
+    p = path.lower()
+    if p.endswith(".jsonl"):
+        return "mooncake"
+    if p.endswith(".json"):
+        return "sharegpt"
+    if "azure" in p:
+        return "azure"
+    if "burst" in p:
+        return "burstgpt"
+    if p.endswith(".csv"):
+        return "vidur"
+    fail(f"{path}: cannot tell the trace format from the name; pass --format")
+
+
+@app.command()
+def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
+        out: Optional[str] = typer.Option(None, "--out", help="results folder (default reports/runs/<name>-<time>)"),
+        set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (engines by name)")) -> None:
+    """Replay the scenario's trace on each engine; write results.json, CSVs, PNGs and report.html."""
+    import datetime as dt
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from workbench.runner import run_scenario
+    from workbench.scenario import ScenarioError, load_scenario, parse_overrides
+    from workbench.traces import TraceError
+
+    torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))
+    try:
+        sc = load_scenario(scenario, overrides=parse_overrides(set_) if set_ else None)
+    except ScenarioError as e:
+        fail(str(e))
+    out_dir = Path(out) if out else Path("reports/runs") / f"{sc.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description:18s}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tps]}"), TimeElapsedColumn(), console=console) as prog:
+        def progress(name, kind, total):
+            task = prog.add_task(f"{name} ({kind})", total=total, tps="")
+            toks = [0]
+
+            def on_output(o):
+                toks[0] += len(o.token_ids)
+                el = prog.tasks[task].elapsed or 0
+                prog.update(task, advance=1, tps=f"{toks[0] / el:.0f} out tok/s (wall)" if kind != "sim" and el else "")
+            return on_output
+
+        try:
+            results = run_scenario(sc, out_dir, progress)
+        except (TraceError, ValueError) as e:
+            fail(str(e))
+    from workbench.report import sim_error_rows, summary_rows
+
+    table = Table(title=f"{sc.name}: {results['num_requests']} requests")
+    headers, rows = summary_rows(results)
+    keep = [0, 1, 3, 5, 7, 9, 10, 12, 13, 14, 15, 16]
+    for i in keep:
+        table.add_column(headers[i], justify="right")
+    for r in rows:
+        table.add_row(*[f"{r[i]:.4g}" if isinstance(r[i], float) else str(r[i]) for i in keep])
+    Console().print(table)
+    sh, sr = sim_error_rows(results)
+    for r in sr:
+        typer.echo(f"sim {r[0]} vs {r[1]}: output throughput {r[2]}, E2EL p50 {r[3]}, p99 {r[4]}")
+    typer.echo(f"report: {out_dir / 'report.html'}")
+    typer.echo(str(out_dir))
+
+
+@app.command()
+def profile(model: str = typer.Option("smollm2-135m", help="model name or folder"),
+            out: str = typer.Option(..., "--out", help="profile JSON to write"),
+            quick: bool = typer.Option(False, help="a small grid (tests)"),
+            repeats: int = typer.Option(3, help="timed runs per grid point (median)"),
+            kv_cache_tokens: int = typer.Option(65536)) -> None:
+    """Time real steps over a grid of batches, fit the simulator's cost model, print held-out error."""
+    from pathlib import Path
+
+    import torch
+    from rich.progress import Progress
+
+    from engines.model import LlamaModel
+    from engines.model_runner import ModelExecutor
+    from engines.model_store import ModelNotFoundError, resolve_model
+    from engines.profiler import DEFAULT_GRID, QUICK_GRID, fit_with_holdout, profile_steps
+
+    torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))
+    try:
+        model_dir = resolve_model(model)
+    except ModelNotFoundError as e:
+        fail(str(e))
+    ex = ModelExecutor(LlamaModel.from_dir(model_dir), kv_cache_tokens // 16, 16)
+    with Progress(transient=True) as prog:
+        task = prog.add_task("profiling steps", total=None)
+        rows = profile_steps(ex, QUICK_GRID if quick else DEFAULT_GRID, repeats,
+                             lambda i, n: prog.update(task, completed=i, total=n))
+    cm = fit_with_holdout(rows, source=f"workbench profile, {model}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    cm.save(Path(out))
+    typer.echo("coefficients (seconds per unit): " + ", ".join(f"{k}={v:.3g}" for k, v in cm.coef.items()))
+    fe = cm.fit_error
+    typer.echo(f"held-out error on {fe['n_holdout']} of {fe['n_points']} points: mean {fe['holdout_mean_abs_rel']:.1%}, "
+               f"max {fe['holdout_max_abs_rel']:.1%}")
+    typer.echo(out)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

@@ -1,0 +1,177 @@
+"""Run outputs: per-engine CSVs, PNG plots and one self-contained ``report.html`` (images inline)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from dataclasses import asdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from workbench.metrics import request_metrics  # noqa: E402
+
+REQUEST_COLUMNS = ["request_id", "status", "error", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
+                   "prompt_tokens", "output_tokens", "num_preemptions", "ttft_ms", "tpot_ms", "e2el_ms"]
+
+
+def requests_frame(outputs) -> pd.DataFrame:
+    """One row per request: times in seconds from the run's start, latencies in ms."""
+    rows = []
+    for o in outputs:
+        m = request_metrics(o) if o.finish_reason in ("stop", "length") else None
+        rows.append({
+            "request_id": o.request_id, "status": o.finish_reason, "error": o.error or "",
+            "arrival_s": o.arrival_time, "first_scheduled_s": o.first_scheduled_time,
+            "first_token_s": o.first_token_time, "finish_s": o.finished_time,
+            "prompt_tokens": len(o.prompt_token_ids), "output_tokens": len(o.token_ids),
+            "num_preemptions": o.num_preemptions,
+            "ttft_ms": m.ttft * 1e3 if m else None, "tpot_ms": m.tpot * 1e3 if m and m.tpot is not None else None,
+            "e2el_ms": m.e2el * 1e3 if m else None,
+        })
+    return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+
+
+def steps_frame(steps) -> pd.DataFrame:
+    """One row per engine step (``StepRecord`` fields)."""
+    return pd.DataFrame([asdict(s) for s in steps])
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def make_plots(results: dict, frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> dict[str, bytes]:
+    """PNG bytes by file name: throughput, latency CDFs, KV usage, waste breakdown, batch and preemptions."""
+    names = list(results["engines"])
+    summ = {n: results["engines"][n]["summary"] for n in names}
+    plots = {}
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(names, [summ[n]["output_throughput"] for n in names], color="tab:blue")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("Output throughput")
+    ax.tick_params(axis="x", rotation=20)
+    plots["throughput.png"] = _png(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+    for ax, col in zip(axes, ["ttft_ms", "tpot_ms", "e2el_ms"]):
+        for n in names:
+            v = np.sort(frames[n][0][col].dropna().to_numpy(dtype=float))
+            if v.size:
+                ax.plot(v, np.arange(1, v.size + 1) / v.size, label=n)
+        ax.set_xlabel(col.replace("_ms", " (ms)").upper())
+        ax.set_ylabel("CDF")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    plots["latency_cdf.png"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    for n in names:
+        st = frames[n][1]
+        if len(st):
+            ax.plot(st["start"], st["kv_allocated"] / st["kv_total_slots"].clip(lower=1), label=f"{n} allocated")
+            ax.plot(st["start"], st["kv_token_states"] / st["kv_total_slots"].clip(lower=1), "--", label=f"{n} token states")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("share of KV pool")
+    ax.set_title("KV cache usage over time")
+    ax.legend(fontsize=6)
+    plots["kv_usage.png"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    bottom = np.zeros(len(names))
+    for part, color in [("token_states", "tab:green"), ("reserved", "tab:orange"), ("internal_frag", "tab:red"),
+                        ("external_frag", "tab:purple")]:
+        vals = np.array([summ[n]["kv_breakdown"][part] for n in names])
+        ax.bar(names, vals, bottom=bottom, label=part, color=color)
+        bottom += vals
+    ax.set_ylabel("share of allocated KV slots")
+    ax.set_title("KV waste breakdown (time-weighted)")
+    ax.legend(fontsize=7)
+    ax.tick_params(axis="x", rotation=20)
+    plots["kv_waste.png"] = _png(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 3.2))
+    for n in names:
+        st = frames[n][1]
+        if len(st):
+            a1.plot(st["start"], st["num_seqs"] - st["num_padding_seqs"], label=n)
+            a2.plot(st["start"], st["num_preemptions"].cumsum(), label=n)
+    a1.set_title("Batch size (requests per step)")
+    a2.set_title("Preemptions (cumulative)")
+    for a in (a1, a2):
+        a.set_xlabel("time (s)")
+        a.grid(alpha=0.3)
+    a1.legend(fontsize=7)
+    plots["batch_preemptions.png"] = _png(fig)
+    return plots
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    th = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    trs = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def summary_rows(results: dict) -> tuple[list[str], list[list]]:
+    headers = ["engine", "kind", "req/s", "output tok/s", "total tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+               "ITL p99 ms", "E2EL p50 ms", "E2EL p99 ms", "goodput req/s", "KV waste", "preemptions", "finished",
+               "rejected", "failed"]
+    rows = []
+    for n, e in results["engines"].items():
+        s = e["summary"]
+        rows.append([n, e["kind"], s["request_throughput"], s["output_throughput"], s["total_token_throughput"],
+                     s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["tpot_ms"]["p50"], s["itl_ms"]["p99"],
+                     s["e2el_ms"]["p50"], s["e2el_ms"]["p99"], s["goodput"], f"{s['kv_waste_frac']:.1%}",
+                     s["num_preemptions"], s["num_finished"], s["num_rejected"], s["num_failed"]])
+    return headers, rows
+
+
+def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
+    headers = ["sim engine", "vs real engine", "output throughput error", "E2EL p50 error", "E2EL p99 error"]
+    rows = []
+    for n, e in results["engines"].items():
+        err = e["summary"].get("sim_error")
+        if err:
+            rows.append([n, err["real_engine"], f"{err['output_throughput']:+.1%}", f"{err['e2el_p50']:+.1%}",
+                         f"{err['e2el_p99']:+.1%}"])
+    return headers, rows
+
+
+def write_html(path: Path, results: dict, plots: dict[str, bytes]) -> None:
+    """One self-contained page: summary table, sim-vs-real errors, every plot inline, formulas."""
+    imgs = "".join(
+        f'<figure><img alt="{html.escape(k)}" src="data:image/png;base64,{base64.b64encode(v).decode()}">'
+        f"<figcaption>{html.escape(k)}</figcaption></figure>" for k, v in plots.items())
+    sim_h, sim_r = sim_error_rows(results)
+    sim = _table(sim_h, sim_r) if sim_r else "<p>No simulated engine with a real engine of the same policy.</p>"
+    formulas = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in results["formulas"].items())
+    sc = results["scenario"]
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(sc['name'])} - workbench report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1300px}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #bbb;padding:3px 7px;text-align:right}}th{{background:#eee}}td:first-child{{text-align:left}}
+figure{{display:inline-block;margin:1em}}img{{max-width:100%}}</style></head><body>
+<h1>Scenario {html.escape(sc['name'])}</h1>
+<p>hash {html.escape(results['scenario_hash'])} &middot; {results['num_requests']} requests &middot;
+model {html.escape(sc['model'])} &middot; {html.escape(results['created'])}</p>
+<h2>Summary</h2>{_table(*summary_rows(results))}
+<h2>Simulator vs real</h2>{sim}
+<h2>Plots</h2>{imgs}
+<h2>Formulas</h2><ul>{formulas}</ul>
+</body></html>"""
+    path.write_text(page, encoding="utf-8")
