@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--skip", nargs="*", default=[], help="any of: static hf_generate hf_generate_batch vllm")
     ap.add_argument("--hf-batch-sizes", type=int, nargs="*", default=[16, 64])
+    ap.add_argument("--statics", nargs="*", default=["max", "pow2", "oracle"], help="static reservation policies to run")
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "throughput.json"))
     a = ap.parse_args()
     torch.set_num_threads(2)
@@ -93,7 +94,7 @@ def main() -> None:
         print(f"== {n} requests, {a.max_tokens} output tokens each, prompt tokens mean {sum(plen) / n:.0f}, max {max(plen)}", flush=True)
         configs = [("paged", dict(engine="paged", max_num_seqs=256, max_num_batched_tokens=2048))]
         if "static" not in a.skip:
-            configs += [(f"static-{r}", dict(engine="static", reservation=r, max_batch_size=256)) for r in ("max", "pow2", "oracle")]
+            configs += [(f"static-{r}", dict(engine="static", reservation=r, max_batch_size=256)) for r in a.statics]
         for name, knobs in configs:
             r = run_ours(model_dir, prompts, a.max_tokens, name, **knobs, **common)
             print(f"  {name:22s} {r['output_tok_per_s']:8.1f} tok/s  ({r['elapsed_s']} s, max batch {r['max_batch']})", flush=True)

@@ -111,11 +111,11 @@ def simulate(engine: LLMEngine, requests: list[Request]) -> list[RequestOutput]:
         ev = heapq.heappop(heap)
         clock.now = max(clock.now, ev.time)
         if isinstance(ev, ArrivalEvent):
-            rejected = engine.add_request(ev.request)
-            if rejected is not None:
-                outputs.append(rejected)
+            _arrive(engine, ev.request, outputs)
         else:
             busy = False
+        while heap and isinstance(heap[0], ArrivalEvent) and heap[0].time <= clock.now:
+            _arrive(engine, heapq.heappop(heap).request, outputs)  # everything that has arrived by now
         if busy or not engine.has_unfinished():
             continue
         # the engine is idle and has work: run one step; it ends at the advanced clock
@@ -127,3 +127,9 @@ def simulate(engine: LLMEngine, requests: list[Request]) -> list[RequestOutput]:
     if engine.has_unfinished():
         raise RuntimeError(f"simulation stalled: {len(engine.scheduler.requests)} requests can never be scheduled")
     return outputs
+
+
+def _arrive(engine: LLMEngine, request: Request, outputs: list[RequestOutput]) -> None:
+    rejected = engine.add_request(request)
+    if rejected is not None:
+        outputs.append(rejected)

@@ -1,0 +1,86 @@
+"""`workbench run` end to end on a tiny random-weight model (real paged/static engines and the simulator)."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from engines.cost_model import CostModel
+from workbench.cli import app
+from workbench.runner import run_scenario
+from workbench.scenario import load_scenario
+
+SCENARIO = {
+    "name": "tiny",
+    "seed": 1,
+    "trace": {"format": "synthetic", "synthetic": {"num_requests": 10, "request_rate": 40.0, "lengths": "uniform",
+                                                   "input_range": [8, 60], "output_range": [2, 9]}},
+    "engines": [
+        {"name": "paged", "kind": "paged", "kv_cache_tokens": 512, "max_model_len": 128},
+        {"name": "static", "kind": "static", "kv_cache_tokens": 512, "max_model_len": 128, "reservation": "max"},
+        {"name": "sim-paged", "kind": "sim", "policy": "paged", "cost_model": "cm.json", "kv_cache_tokens": 512,
+         "max_model_len": 128},
+        {"name": "sim-static", "kind": "sim", "policy": "static", "cost_model": "cm.json", "kv_cache_tokens": 512,
+         "max_model_len": 128},
+    ],
+    "slo": {"ttft_ms": 5000},
+}
+
+
+@pytest.fixture
+def scenario_file(tmp_path, tiny_llama_dir):
+    CostModel({"const": 0.002, "tokens": 1e-4, "decode_ctx": 0, "prefill_attn": 0, "sampled": 0}).save(tmp_path / "cm.json")
+    d = dict(SCENARIO, model=str(tiny_llama_dir))
+    p = tmp_path / "tiny.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
+    out = tmp_path / "out"
+    res = run_scenario(load_scenario(scenario_file), out)
+    assert res["num_requests"] == 10
+    for name in ("paged", "static", "sim-paged", "sim-static"):
+        s = res["engines"][name]["summary"]
+        assert s["num_finished"] + s["num_rejected"] + s["num_failed"] == 10
+        assert s["num_finished"] == 10 and s["output_throughput"] > 0
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(s[key]) == {"mean", "p50", "p90", "p99"}
+        assert (out / name / "requests.csv").read_text().count("\n") == 11
+        assert (out / name / "steps.csv").exists()
+    assert res["engines"]["static"]["summary"]["kv_waste_frac"] > res["engines"]["paged"]["summary"]["kv_waste_frac"]
+    assert res["engines"]["sim-paged"]["summary"]["sim_error"]["real_engine"] == "paged"
+    assert res["engines"]["sim-static"]["summary"]["sim_error"]["real_engine"] == "static"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["scenario_hash"] and "tpot_ms" in saved["formulas"] and saved["versions"]["torch"]
+    html = (out / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 5 and "<table>" in html and "Simulator vs real" in html
+    for png in ("throughput.png", "latency_cdf.png", "kv_usage.png", "kv_waste.png", "batch_preemptions.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_run_and_clear_errors(scenario_file, tmp_path):
+    r = CliRunner().invoke(app, ["run", str(scenario_file), "--out", str(tmp_path / "o"),
+                                 "--set", "engines.paged.max_num_seqs=4"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o" / "report.html").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(scenario_file.read_text().replace("reservation: max", "reservation: maxx"))
+    r = CliRunner().invoke(app, ["run", str(bad)])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "bad.yaml" in r.output and "reservation" in r.output
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and "missing.yaml" in r.output
+
+
+def test_trace_inspect(tmp_path):
+    from workbench.scenario import resolve_path
+
+    r = CliRunner().invoke(app, ["trace", "inspect", str(resolve_path("builtin:azure_conv_slice.csv", "."))])
+    assert r.exit_code == 0, r.output
+    assert "format azure, 400 requests" in r.output and "prompt_tokens" in r.output
+    bad = tmp_path / "bad_azure.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,abc\n")
+    r = CliRunner().invoke(app, ["trace", "inspect", str(bad), "--format", "azure"])
+    assert r.exit_code == 2 and "bad_azure.csv:2" in r.output and "Traceback" not in r.output

@@ -1,0 +1,79 @@
+"""The simulator drives the real schedulers with a cost model on a virtual clock."""
+
+import pytest
+
+from engines.config import SchedulerConfig
+from engines.cost_model import CostModel, step_features
+from engines.llm_engine import build_scheduler
+from engines.profiler import fit_with_holdout
+from engines.request import Request
+from engines.sampling_params import SamplingParams
+from engines.simulator import make_sim_engine, simulate
+
+CM = CostModel({"const": 0.01, "tokens": 0.001, "decode_ctx": 0.0, "prefill_attn": 0.0, "sampled": 0.0})
+
+
+def reqs(specs):
+    return [Request(str(i), [5] * p, SamplingParams(max_tokens=o, ignore_eos=True), arrival_time=t)
+            for i, (t, p, o) in enumerate(specs)]
+
+
+def test_single_request_timeline_is_exact():
+    eng = make_sim_engine(build_scheduler("paged", SchedulerConfig(max_model_len=512), 64, 16), CM)
+    outs = simulate(eng, reqs([(1.0, 100, 3)]))
+    (o,) = outs
+    # prefill step: 0.01 + 100 * 0.001 = 0.11 s, then two decode steps of 0.011 s
+    assert o.first_token_time == pytest.approx(1.11)
+    assert o.token_times == pytest.approx([1.11, 1.121, 1.132])
+    assert o.finished_time == pytest.approx(1.132)
+    assert len(eng.steps) == 3
+
+
+def test_requests_arriving_during_a_step_join_the_next_one():
+    eng = make_sim_engine(build_scheduler("paged", SchedulerConfig(max_model_len=512), 64, 16), CM)
+    outs = {o.request_id: o for o in simulate(eng, reqs([(0.0, 100, 2), (0.05, 10, 2)]))}
+    assert outs["1"].first_scheduled_time == pytest.approx(0.11)  # after the first prefill step ends
+    assert eng.steps[1].num_seqs == 2
+
+
+def test_static_policy_waits_for_the_longest_member():
+    eng = make_sim_engine(build_scheduler("static", SchedulerConfig(max_model_len=256, max_batch_size=2), 64, 16), CM)
+    outs = {o.request_id: o for o in simulate(eng, reqs([(0, 10, 2), (0, 10, 6), (0, 10, 2)]))}
+    # the third request is admitted only when the 6-token member ends
+    assert outs["2"].first_scheduled_time == pytest.approx(outs["1"].finished_time)
+    assert max(s.num_padding_seqs for s in eng.steps) == 1
+
+
+def test_all_requests_accounted_for_including_rejections():
+    eng = make_sim_engine(build_scheduler("paged", SchedulerConfig(max_model_len=128), 16, 16), CM)
+    outs = simulate(eng, reqs([(0, 100, 10), (0, 200, 10), (0.5, 50, 0)]))
+    assert sorted(o.finish_reason for o in outs) == ["length", "rejected", "rejected"]
+
+
+def test_cost_model_fit_recovers_coefficients_and_round_trips(tmp_path):
+    true = CostModel({"const": 0.02, "tokens": 0.003, "decode_ctx": 1e-6, "prefill_attn": 2e-9, "sampled": 4e-4})
+    rows = []
+    for b in (1, 4, 16, 64):
+        for c in (64, 512):
+            f = {"const": 1, "tokens": b, "decode_ctx": b * c, "prefill_attn": 0, "sampled": b}
+            rows.append((f, true.predict_features(f)))
+    for p in (32, 256, 1024):
+        f = {"const": 1, "tokens": p, "decode_ctx": 0, "prefill_attn": p * p, "sampled": 1}
+        rows.append((f, true.predict_features(f)))
+    cm = fit_with_holdout(rows)
+    for f, t in rows:
+        assert cm.predict_features(f) == pytest.approx(t, rel=1e-6)
+    assert cm.fit_error["n_holdout"] == 2 and cm.fit_error["n_points"] == 11
+    cm.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json").coef == pytest.approx(cm.coef)
+    with pytest.raises(ValueError, match="not a cost-model profile"):
+        CostModel.load(tmp_path / "missing.json")
+
+
+def test_step_features():
+    from engines.scheduler import ScheduledSeq
+
+    sp = SamplingParams()
+    seqs = [ScheduledSeq("a", [1], 99, [0], True, sp), ScheduledSeq("b", [1] * 10, 20, [0], False, sp)]
+    f = step_features(seqs)
+    assert f == {"const": 1.0, "tokens": 11, "decode_ctx": 100, "prefill_attn": 300, "sampled": 1}
