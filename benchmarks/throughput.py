@@ -99,7 +99,8 @@ def main() -> None:
             r = run_ours(model_dir, prompts, a.max_tokens, name, **knobs, **common)
             print(f"  {name:22s} {r['output_tok_per_s']:8.1f} tok/s  ({r['elapsed_s']} s, max batch {r['max_batch']})", flush=True)
             rows.append(r)
-        peer_args = ["--model", str(model_dir), "--num-prompts", str(n), "--max-tokens", str(a.max_tokens)]
+        peer_args = ["--model", str(model_dir), "--num-prompts", str(n), "--max-tokens", str(a.max_tokens),
+                     "--max-prompt-tokens", str(a.max_prompt_tokens)]
         peers = []
         if "hf_generate" not in a.skip:
             peers += [("hf_peer.py", Path(sys.executable), ["--mode", "generate", "--batch-size", str(b)], f"hf-generate-b{b}") for b in a.hf_batch_sizes]

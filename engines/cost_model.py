@@ -23,13 +23,12 @@ FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
 
 
 def step_features(seqs) -> dict[str, float]:
-    """Features of one step from its scheduled sequences (objects with ``num_tokens``, ``start_pos``,
-    ``sample``, ``is_padding``)."""
+    """Features of one step from its scheduled sequences (``ScheduledSeq``)."""
     tokens = decode_ctx = prefill_attn = sampled = 0
     for s in seqs:
         n = s.num_tokens
         tokens += n
-        if n == 1 and (s.start_pos > 0 or s.is_padding):
+        if s.is_decode:
             decode_ctx += s.start_pos + 1
         else:
             prefill_attn += n * (s.start_pos + n)

@@ -67,7 +67,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         if out.is_empty:
             return StepResult({}, 0.0)
-        seqs = sorted(out.seqs, key=lambda s: not self._is_decode(s))  # decode rows first
+        seqs = sorted(out.seqs, key=lambda s: not s.is_decode)  # decode rows first
         input_ids, positions, meta, last_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
@@ -80,10 +80,6 @@ class ModelExecutor:
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
         return StepResult(sampled, time.perf_counter() - t0)
-
-    @staticmethod
-    def _is_decode(s: ScheduledSeq) -> bool:
-        return s.num_tokens == 1 and s.start_pos > 0 and not s.is_padding
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         bs = self.kv.block_size
@@ -98,7 +94,7 @@ class ModelExecutor:
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             last_idx[s.request_id] = len(ids) - 1
-            if self._is_decode(s):
+            if s.is_decode:
                 dec_tables.append(table)
                 dec_lens.append(s.context_len)
             else:

@@ -53,6 +53,11 @@ class ScheduledSeq:
         return len(self.token_ids)
 
     @property
+    def is_decode(self) -> bool:
+        """One new token after a cached context (batched decode attention); else a prefill chunk."""
+        return len(self.token_ids) == 1 and self.start_pos > 0 and not self.is_padding
+
+    @property
     def context_len(self) -> int:
         """Tokens attended to by the last new token (cached + new)."""
         return self.start_pos + len(self.token_ids)

@@ -18,11 +18,12 @@ import pandas as pd  # noqa: E402
 from workbench.metrics import request_metrics  # noqa: E402
 
 REQUEST_COLUMNS = ["request_id", "status", "error", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
-                   "prompt_tokens", "output_tokens", "num_preemptions", "ttft_ms", "tpot_ms", "e2el_ms"]
+                   "prompt_tokens", "output_tokens", "num_preemptions", "ttft_ms", "tpot_ms", "e2el_ms", "token_times_s"]
 
 
 def requests_frame(outputs) -> pd.DataFrame:
-    """One row per request: times in seconds from the run's start, latencies in ms."""
+    """One row per request: times in seconds from the run's start, latencies in ms, and every output
+    token's time (``token_times_s``, space-separated seconds)."""
     rows = []
     for o in outputs:
         m = request_metrics(o) if o.finish_reason in ("stop", "length") else None
@@ -34,6 +35,7 @@ def requests_frame(outputs) -> pd.DataFrame:
             "num_preemptions": o.num_preemptions,
             "ttft_ms": m.ttft * 1e3 if m else None, "tpot_ms": m.tpot * 1e3 if m and m.tpot is not None else None,
             "e2el_ms": m.e2el * 1e3 if m else None,
+            "token_times_s": " ".join(f"{t:.4f}" for t in o.token_times),
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
@@ -173,5 +175,12 @@ model {html.escape(sc['model'])} &middot; {html.escape(results['created'])}</p>
 <h2>Simulator vs real</h2>{sim}
 <h2>Plots</h2>{imgs}
 <h2>Formulas</h2><ul>{formulas}</ul>
+<script>/* render self-check, read by the tests through a headless browser */
+window.addEventListener("load", () => {{
+  const imgs = [...document.images];
+  document.body.dataset.imagesRendered = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+  document.body.dataset.imagesTotal = imgs.length;
+  document.body.dataset.tableRows = document.querySelectorAll("table tbody tr").length;
+}});</script>
 </body></html>"""
     path.write_text(page, encoding="utf-8")
