@@ -50,8 +50,16 @@ class CostModel:
     coef: dict[str, float]
     source: str = ""
     fit_error: dict[str, float] = field(default_factory=dict)
+    body_table: list[list[float]] = field(default_factory=list)
+    lm_table: list[list[float]] = field(default_factory=list)
 
     def predict_features(self, f: dict[str, float]) -> float:
+        """Seconds for a step with features ``f``. With measured tables, the model body's time is
+        interpolated over the step's token count (CPU GEMM time is far from linear at small batch
+        sizes) and the LM head's over sampled rows; the linear terms then add attention work."""
+        if self.body_table:
+            t = _interp(self.body_table, f["tokens"]) + _interp(self.lm_table, f["sampled"])
+            return max(0.0, t + sum(self.coef.get(k, 0.0) * f[k] for k in ("decode_ctx", "prefill_attn")))
         return max(0.0, sum(self.coef.get(k, 0.0) * f[k] for k in FEATURES))
 
     def predict(self, seqs) -> float:
@@ -91,7 +99,8 @@ class CostModel:
         try:
             d = json.loads(p.read_text())
             return cls(coef={k: float(v) for k, v in d["coef"].items()}, source=d.get("source", str(p)),
-                       fit_error=d.get("fit_error", {}))
+                       fit_error=d.get("fit_error", {}), body_table=d.get("body_table", []),
+                       lm_table=d.get("lm_table", []))
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{p}: not a cost-model profile ({e})") from None
 
@@ -109,3 +118,23 @@ def _nonneg_lstsq(a, b):
         if (coef >= 0).all() or len(active) == 1:
             return np.maximum(sol, 0.0)
         active.pop(int(np.argmin(coef)))
+
+
+def _interp(table: list[list[float]], x: float) -> float:
+    """Piecewise-linear interpolation over ``[[x, y], ...]`` (sorted by x); linear extrapolation past
+    the last point, 0 for x <= 0."""
+    if x <= 0 or not table:
+        return 0.0
+    import bisect
+
+    xs = [p[0] for p in table]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return table[i][1]
+    if i == 0:
+        return table[0][1] * x / xs[0]
+    if i == len(xs):
+        (x0, y0), (x1, y1) = table[-2] if len(table) > 1 else (0, 0), table[-1]
+    else:
+        (x0, y0), (x1, y1) = table[i - 1], table[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

@@ -89,3 +89,69 @@ def fit_with_holdout(rows: list[tuple[dict, float]], holdout_frac: float = 0.25,
                        "holdout_max_abs_rel": max(errs) if errs else 0.0, "n_holdout": len(held),
                        "n_points": len(rows)}
     return final
+
+
+BODY_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+CTX_POINTS = [(4, 512), (8, 768), (16, 512), (32, 384), (64, 256), (64, 512)]
+
+
+def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], None] | None = None,
+                   body_tokens: list[int] | None = None, ctx_points: list[tuple[int, int]] | None = None) -> CostModel:
+    """Measure the model body's time per token count (one prefill chunk, no cached context), the LM
+    head's per sampled rows, then fit the seconds per decode-context token on decode batches with long
+    contexts (residual after the tables). Returns a table-based ``CostModel``; ``fit_error`` is its
+    relative error on the decode batches and on mixed batches it was not fitted on."""
+    import torch
+
+    body_tokens = body_tokens or BODY_TOKENS
+    ctx_points = ctx_points or CTX_POINTS
+    bs, nb = executor.kv.block_size, executor.kv.num_blocks
+    model = executor.model
+    total = len(body_tokens) * 2 + len(ctx_points) + len(DEFAULT_GRID["mixed"])
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    def timed(fn):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    lm, body = [], []
+    hidden = torch.randn(max(body_tokens), model.cfg.hidden_size, dtype=model.dtype)
+    for m in body_tokens:
+        lm.append([m, timed(lambda: model.compute_logits(hidden[:m]))])
+        tick()
+    lm_of = dict((int(a), b) for a, b in lm)
+    for m in body_tokens:
+        out = _batch(0, 0, m, bs, nb)
+        body.append([m, max(0.0, timed(lambda: executor.execute(out)) - lm_of[1])])
+        tick()
+    cm = CostModel({k: 0.0 for k in ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")},
+                   body_table=body, lm_table=lm)
+    rows = []
+    for b, c in ctx_points:
+        out = _batch(b, c, 0, bs, nb)
+        rows.append((step_features(out.seqs), timed(lambda: executor.execute(out))))
+        tick()
+    num = sum((t - cm.predict_features(f)) * f["decode_ctx"] for f, t in rows)
+    den = sum(f["decode_ctx"] ** 2 for f, t in rows)
+    cm.coef["decode_ctx"] = max(0.0, num / den) if den else 0.0
+    held = []
+    for b, c, p in DEFAULT_GRID["mixed"]:
+        out = _batch(b, c, p, bs, nb)
+        held.append((step_features(out.seqs), timed(lambda: executor.execute(out))))
+        tick()
+    fit_errs = [abs(cm.predict_features(f) - t) / t for f, t in rows]
+    held_errs = [abs(cm.predict_features(f) - t) / t for f, t in held]
+    cm.fit_error = {"decode_mean_abs_rel": sum(fit_errs) / len(fit_errs), "holdout_mean_abs_rel": sum(held_errs) / len(held_errs),
+                    "holdout_max_abs_rel": max(held_errs), "n_holdout": len(held), "n_points": total}
+    return cm

@@ -207,7 +207,7 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
     from engines.model import LlamaModel
     from engines.model_runner import ModelExecutor
     from engines.model_store import ModelNotFoundError, resolve_model
-    from engines.profiler import DEFAULT_GRID, QUICK_GRID, fit_with_holdout, profile_steps
+    from engines.profiler import QUICK_GRID, fit_with_holdout, profile_steps, profile_tables
 
     torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))
     try:
@@ -215,16 +215,23 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
     except ModelNotFoundError as e:
         fail(str(e))
     ex = ModelExecutor(LlamaModel.from_dir(model_dir), kv_cache_tokens // 16, 16)
+    source = f"workbench profile, {model}, {os.cpu_count()} CPUs, torch {torch.__version__}"
     with Progress(transient=True) as prog:
         task = prog.add_task("profiling steps", total=None)
-        rows = profile_steps(ex, QUICK_GRID if quick else DEFAULT_GRID, repeats,
-                             lambda i, n: prog.update(task, completed=i, total=n))
-    cm = fit_with_holdout(rows, source=f"workbench profile, {model}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+        cb = lambda i, n: prog.update(task, completed=i, total=n)  # noqa: E731
+        if quick:
+            cm = fit_with_holdout(profile_steps(ex, QUICK_GRID, repeats, cb), source=source)
+        else:
+            cm = profile_tables(ex, repeats, cb)
+            cm.source = source
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     cm.save(Path(out))
     typer.echo("coefficients (seconds per unit): " + ", ".join(f"{k}={v:.3g}" for k, v in cm.coef.items()))
     fe = cm.fit_error
     typer.echo(f"held-out error on {fe['n_holdout']} of {fe['n_points']} points: mean {fe['holdout_mean_abs_rel']:.1%}, "
                f"max {fe['holdout_max_abs_rel']:.1%}")
+    if cm.body_table:
+        typer.echo(f"tables: model body at {len(cm.body_table)} token counts, LM head at {len(cm.lm_table)} row counts")
     typer.echo(out)
 
 
