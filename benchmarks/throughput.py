@@ -49,6 +49,8 @@ def run_ours(model_dir, prompts, max_tokens, name, **knobs) -> dict:
         "output_tok_per_s": round(toks / dt, 2), "num_steps": len(steps),
         "max_batch": max(s.num_seqs for s in steps),
         "num_preemptions": sum(s.num_preemptions for s in steps),
+        "prefill_steps_s": round(sum(s.duration for s in steps if s.num_prefill_tokens), 2),
+        "decode_only_steps_s": round(sum(s.duration for s in steps if not s.num_prefill_tokens), 2),
         "kv_waste_mean": round(sum(1 - s.kv_token_states / s.kv_allocated for s in steps if s.kv_allocated) / len(steps), 4),
         "knobs": knobs,
     }

@@ -28,6 +28,17 @@ QUICK_GRID = {
 }
 
 
+def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call."""
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def _batch(decode_rows: int, ctx: int, prefill: int, block_size: int, num_blocks: int) -> SchedulerOutput:
     sp = SamplingParams(max_tokens=1, temperature=0)
     seqs, nxt = [], 0
@@ -117,13 +128,7 @@ def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], No
             progress(done, total)
 
     def timed(fn):
-        fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return median_time(fn, repeats)
 
     lm, body = [], []
     hidden = torch.randn(max(body_tokens), model.cfg.hidden_size, dtype=model.dtype)
