@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -117,4 +117,3 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_batch_size: int = 64
     reservation: str = "max"
-    extra: dict = field(default_factory=dict)

@@ -125,8 +125,9 @@ class LLMEngine:
             if req is not None and req.first_scheduled_time is None:
                 req.first_scheduled_time = start
         finished = self.scheduler.update(out, result)
+        just_finished = {r.request_id: r for r in finished}
         for rid in result.sampled:
-            req = self.scheduler.requests.get(rid) or next((r for r in finished if r.request_id == rid), None)
+            req = self.scheduler.requests.get(rid) or just_finished.get(rid)
             if req is None:
                 continue
             req.token_times.append(now)

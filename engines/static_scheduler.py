@@ -88,8 +88,5 @@ class StaticScheduler(Scheduler):
                 self.kv.free(r)
             self.batch = []
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
     def kv_stats(self, scheduled: dict[str, int] | None = None) -> KVStats:
         return self.kv.stats(self.batch, scheduled)
