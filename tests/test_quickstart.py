@@ -30,7 +30,7 @@ def test_quickstart_kv_waste_and_throughput(quickstart):
 # Issue 3 asks for 15% on all three. `workbench run scenarios/quickstart.yaml` measured at most 8.1%,
 # but inside pytest the real paged engine's E2EL p50 came out 19-25% above the simulator's in three runs
 # (cause not found yet), so E2EL is held to 30% here until that is understood.
-BOUNDS = {"output_throughput": 0.15, "e2el_p50": 0.30, "e2el_p99": 0.30}
+BOUNDS = {"output_throughput": 0.15, "e2el_p50": 0.15, "e2el_p99": 0.15}
 
 
 @pytest.mark.skipif(os.environ.get("WORKBENCH_TIMING_TESTS") != "1",
@@ -39,5 +39,6 @@ BOUNDS = {"output_throughput": 0.15, "e2el_p50": 0.30, "e2el_p99": 0.30}
 def test_quickstart_simulator_close_to_real(quickstart):
     for sim in ("sim-paged", "sim-static"):
         err = quickstart["engines"][sim]["summary"]["sim_error"]
+        print(sim, err)
         for key, bound in BOUNDS.items():
             assert abs(err[key]) <= bound, (sim, key, err)
