@@ -184,7 +184,10 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
         table.add_column(headers[i], justify="right")
     for r in rows:
         table.add_row(*[f"{r[i]:.4g}" if isinstance(r[i], float) else str(r[i]) for i in keep])
-    Console().print(table)
+    out_console = Console()
+    if not out_console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
+        out_console = Console(width=200)
+    out_console.print(table)
     sh, sr = sim_error_rows(results)
     for r in sr:
         typer.echo(f"sim {r[0]} vs {r[1]}: output throughput {r[2]}, E2EL p50 {r[3]}, p99 {r[4]}")
