@@ -326,6 +326,10 @@ def run_repeats(scenario: str, overrides: list[str], n: int, out_dir: Path, echo
         sc = load_scenario(scenario, overrides=parse_overrides(overrides) if overrides else None)
     except ScenarioError as e:
         raise GateError(str(e)) from None
+    if os.environ.get("WORKBENCH_THREADS"):  # as `workbench run`
+        import torch
+
+        torch.set_num_threads(int(os.environ["WORKBENCH_THREADS"]))
     paths = []
     for i in range(1, n + 1):
         d = out_dir / f"run-{i}"
