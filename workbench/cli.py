@@ -245,11 +245,12 @@ def sweep(scenario: str = typer.Argument(..., help="scenario YAML file"),
           jobs: int = typer.Option(0, "--jobs", help="parallel simulator points (0 = CPU count)"),
           executor: str = typer.Option("local", "--executor", help="local | ray"),
           ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: start a local one)"),
-          out: Optional[str] = typer.Option(None, "--out", help="sweep folder (default reports/runs/sweep-<name>-<time>)")) -> None:
+          out: Optional[str] = typer.Option(None, "--out", help="sweep folder (default reports/runs/sweep-<name>-<time>)"),
+          point_reports: bool = typer.Option(True, help="write each point's PNGs and report.html (about 1 s a point)")) -> None:
     """Run the Cartesian grid of overrides: one results folder per point, sweep.csv and a sweep report."""
     from workbench.sweep import sweep_command
 
-    sweep_command(scenario, set_, jobs, executor, ray_address, out)
+    sweep_command(scenario, set_, jobs, executor, ray_address, out, point_reports)
 
 
 @app.command()

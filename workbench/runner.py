@@ -102,12 +102,13 @@ def _versions() -> dict:
     return out
 
 
-def run_scenario(scenario: Scenario, out_dir: Path, progress=None) -> dict:
+def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool = True) -> dict:
     """Run every engine of the scenario, write ``results.json``, per-engine CSVs, PNGs and ``report.html``
     into ``out_dir``; returns the results dict.
 
     ``progress`` (optional) is called as ``progress(engine_name, kind, total)`` and must return a
-    callback taking each ``RequestOutput``.
+    callback taking each ``RequestOutput``. ``plots=False`` (issue 4: sweep points) skips the PNGs and
+    report.html.
     """
     from transformers import AutoTokenizer
 
@@ -145,6 +146,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None) -> dict:
         frames[spec.name] = (rf, sf)
     add_sim_errors(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    if not plots:
+        return results
     plots = make_plots(results, frames)
     for name, png in plots.items():
         (out_dir / name).write_bytes(png)

@@ -182,11 +182,13 @@ def point_rows(point: Point, results: dict, out_dir: Path) -> list[dict]:
     return rows
 
 
-def run_point(scenario_path: str, overrides: dict, engine: str | None, out_dir: str, threads: int | None) -> dict:
+def run_point(scenario_path: str, overrides: dict, engine: str | None, out_dir: str, threads: int | None,
+              plots: bool = True) -> dict:
     """Run one point (in a worker process, a Ray task or the parent); returns its results dict.
 
     ``threads`` sets torch's intra-op threads (1 for simulator points running side by side; None: the
-    ``WORKBENCH_THREADS`` environment variable when set, as ``workbench run``).
+    ``WORKBENCH_THREADS`` environment variable when set, as ``workbench run``). ``plots=False`` skips the
+    point's PNGs and report.html (about a second per point).
     """
     threads = threads or int(os.environ.get("WORKBENCH_THREADS", "0")) or None
     if threads:
@@ -196,7 +198,7 @@ def run_point(scenario_path: str, overrides: dict, engine: str | None, out_dir: 
     from workbench.runner import run_scenario
 
     sc = point_scenario(scenario_path, overrides, engine)
-    return run_scenario(sc, Path(out_dir))
+    return run_scenario(sc, Path(out_dir), plots=plots)
 
 
 def _log(msg: str) -> None:
@@ -208,7 +210,7 @@ def _describe(p: Point) -> str:
     return f"{p.id} [{'real' if p.real else 'sim'}] {ov}{(' engine=' + p.engine) if p.engine else ''}"
 
 
-def run_local(scenario_path: str, points: list[Point], out: Path, jobs: int) -> dict[str, dict]:
+def run_local(scenario_path: str, points: list[Point], out: Path, jobs: int, plots: bool = True) -> dict[str, dict]:
     """Simulator points in ``jobs`` spawned worker processes, then real points one at a time here."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -219,22 +221,24 @@ def run_local(scenario_path: str, points: list[Point], out: Path, jobs: int) -> 
     if sims:
         if jobs <= 1 or len(sims) == 1:
             for p in sims:
-                results[p.id] = run_point(scenario_path, p.overrides, p.engine, str(out / p.id), 1)
+                results[p.id] = run_point(scenario_path, p.overrides, p.engine, str(out / p.id), 1, plots)
                 _log(f"done {_describe(p)}")
         else:
             with ProcessPoolExecutor(max_workers=min(jobs, len(sims)), mp_context=mp.get_context("spawn")) as pool:
-                futs = {pool.submit(run_point, scenario_path, p.overrides, p.engine, str(out / p.id), 1): p for p in sims}
+                futs = {pool.submit(run_point, scenario_path, p.overrides, p.engine, str(out / p.id), 1, plots): p
+                        for p in sims}
                 for f in as_completed(futs):
                     p = futs[f]
                     results[p.id] = f.result()
                     _log(f"done {_describe(p)}")
     for p in reals:  # serially, with nothing else running
-        results[p.id] = run_point(scenario_path, p.overrides, p.engine, str(out / p.id), None)
+        results[p.id] = run_point(scenario_path, p.overrides, p.engine, str(out / p.id), None, plots)
         _log(f"done {_describe(p)}")
     return results
 
 
-def run_ray(scenario_path: str, points: list[Point], out: Path, jobs: int, address: str | None) -> dict[str, dict]:
+def run_ray(scenario_path: str, points: list[Point], out: Path, jobs: int, address: str | None,
+            plots: bool = True) -> dict[str, dict]:
     """The same grid as Ray tasks: one CPU per simulator point, a whole node's CPUs per real point (so a
     real point never shares its node). A local Ray instance with ``jobs`` CPUs when ``address`` is None.
 
@@ -260,7 +264,7 @@ def run_ray(scenario_path: str, points: list[Point], out: Path, jobs: int, addre
         for p in points:
             opts = {"num_cpus": whole} if p.real else {"num_cpus": 1}
             refs[task.options(**opts).remote(str(Path(scenario_path).resolve()), p.overrides, p.engine,
-                                             str((out / p.id).resolve()), None if p.real else 1)] = p
+                                             str((out / p.id).resolve()), None if p.real else 1, plots)] = p
         results: dict[str, dict] = {}
         pending = list(refs)
         while pending:
@@ -279,7 +283,7 @@ def run_ray(scenario_path: str, points: list[Point], out: Path, jobs: int, addre
 
 
 def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int = 0, executor: str = "local",
-              ray_address: str | None = None) -> "Any":
+              ray_address: str | None = None, point_reports: bool = True) -> "Any":
     """Plan, run every point, write sweep.csv / sweep.json / sweep.png / sweep_report.html into ``out``.
 
     Returns the sweep DataFrame (one row per point x engine).
@@ -300,9 +304,9 @@ def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int 
     _log(f"sweep: {len(points)} points ({len(points) - n_real} simulator, {n_real} real) -> {out}")
     t0 = time.perf_counter()
     if executor == "ray":
-        results = run_ray(str(scenario_path), points, out, jobs, ray_address)
+        results = run_ray(str(scenario_path), points, out, jobs, ray_address, point_reports)
     else:
-        results = run_local(str(scenario_path), points, out, jobs)
+        results = run_local(str(scenario_path), points, out, jobs, point_reports)
     rows = [r for p in points for r in point_rows(p, results[p.id], out / p.id)]
     df = pd.DataFrame(rows)
     df.to_csv(out / "sweep.csv", index=False)
@@ -315,7 +319,7 @@ def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int 
 
 
 def sweep_command(scenario: str, items: list[str], jobs: int, executor: str, ray_address: str | None,
-                  out: str | None) -> None:
+                  out: str | None, point_reports: bool = True) -> None:
     """``workbench sweep``: bad input exits 2 with one line."""
     import datetime as dt
 
@@ -334,7 +338,7 @@ def sweep_command(scenario: str, items: list[str], jobs: int, executor: str, ray
     try:
         stem = Path(scenario).stem
         out_dir = Path(out) if out else Path("reports/runs") / f"sweep-{stem}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-        df = run_sweep(scenario, items, out_dir, jobs, executor, ray_address)
+        df = run_sweep(scenario, items, out_dir, jobs, executor, ray_address, point_reports)
     except (ScenarioError, TraceError, ValueError) as e:
         fail(str(e))
     print(f"{df['point'].nunique()} points, {len(df)} rows: {out_dir / 'sweep.csv'}")

@@ -20,10 +20,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 RATE_PANELS = [
-    ("output_throughput", None, "output throughput (tok/s)"),
-    ("ttft_ms_p50", "ttft_ms_p99", "TTFT p50 (solid) / p99 (dashed), ms"),
-    ("e2el_ms_p50", "e2el_ms_p99", "E2EL p50 (solid) / p99 (dashed), ms"),
-    ("goodput", None, "goodput (req/s meeting the SLO)"),
+    ("output_throughput", None, "output throughput (tok/s)", "output throughput vs rate"),
+    ("ttft_ms_p50", "ttft_ms_p99", "TTFT p50 (solid) / p99 (dashed), ms", "TTFT p50 / p99 vs rate"),
+    ("e2el_ms_p50", "e2el_ms_p99", "E2EL p50 (solid) / p99 (dashed), ms", "E2EL p50 / p99 vs rate"),
+    ("goodput", None, "goodput (req/s meeting the SLO)", "goodput vs rate"),
 ]
 TABLE_COLUMNS = ["point", "engine", "kind", "block_size", "max_num_seqs", "request_rate", "output_throughput",
                  "goodput", "ttft_ms_p50", "ttft_ms_p99", "e2el_ms_p50", "e2el_ms_p99", "kv_waste_frac",
@@ -60,7 +60,7 @@ def sweep_figure(df: pd.DataFrame, axes: list[str]):
     if _varies(df, "request_rate"):
         panels += [("rate", p) for p in RATE_PANELS]
     if _varies(df, "block_size"):
-        panels.append(("block", ("kv_waste_frac", None, "KV waste (share of allocated slots)")))
+        panels.append(("block", ("kv_waste_frac", None, "KV waste (share of allocated slots)", "KV waste vs block_size")))
     if not panels:
         return None
     ncol = min(3, len(panels))
@@ -68,7 +68,7 @@ def sweep_figure(df: pd.DataFrame, axes: list[str]):
     fig, axs = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.6 * nrow), squeeze=False)
     for ax in axs.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (xkind, (col, col2, label)) in zip(axs.flat, panels):
+    for ax, (xkind, (col, col2, label, title)) in zip(axs.flat, panels):
         x = "request_rate" if xkind == "rate" else "block_size"
         excl = _is_rate_axis if xkind == "rate" else (lambda a: a.endswith(".block_size"))
         for i, (name, g) in enumerate(_series(df, axes, excl)):
@@ -85,7 +85,7 @@ def sweep_figure(df: pd.DataFrame, axes: list[str]):
         if xkind == "block":
             ax.set_xscale("log", base=2)
         ax.set_ylabel(label, fontsize=8)
-        ax.set_title(f"{label.split(' (')[0].split(',')[0]} vs {'rate' if xkind == 'rate' else 'block_size'}", fontsize=9)
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -109,7 +109,7 @@ def write_sweep_report(df: pd.DataFrame, axes: list[str], out_dir: Path, title: 
     cols = [c for c in TABLE_COLUMNS if c in df] + [a for a in axes if a in df and a not in TABLE_COLUMNS]
 
     def cell(c, v):
-        if c == "point":
+        if c == "point" and (out_dir / str(v) / "report.html").exists():
             return f'<a href="{html.escape(str(v))}/report.html">{html.escape(str(v))}</a>'
         if isinstance(v, float):
             return "" if math.isnan(v) else f"{v:.4g}"
