@@ -91,10 +91,11 @@ def test_sweep_local_12_sim_and_3_real_points(scenario_file, tmp_path, one_threa
     from workbench.sweep_report import sweep_figure
 
     out = tmp_path / "sweep"
-    r = CliRunner().invoke(app, ["sweep", str(scenario_file), *AXES, "--jobs", "2", "--out", str(out)])  # with point reports
+    r = CliRunner().invoke(app, ["sweep", str(scenario_file), *AXES, "--jobs", "2", "--no-point-reports",
+                                 "--out", str(out)])  # point reports: ~1 s of plotting per point
     assert r.exit_code == 0, r.output
     assert "15 points, 15 rows" in r.output
-    df = _check_sweep(out)
+    df = _check_sweep(out, point_reports=False)
     fig = sweep_figure(df, ["engine", "trace.request_rate", "engines.sim-paged.block_size"])
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     assert titles == ["output throughput vs rate", "TTFT p50 / p99 vs rate", "E2EL p50 / p99 vs rate",
