@@ -238,6 +238,73 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
     typer.echo(out)
 
 
+# --- issue 4: sweeps, capacity search, run comparison and regression gates (thin wrappers) ---
+
+
+@app.command()
+def sweep(scenario: str = typer.Argument(..., help="scenario YAML file"),
+          set_: List[str] = typer.Option([], "--set", help="sweep axis: dotted.path=v1,v2,... (engines by name); "
+                                         "engine=NAME1,NAME2 runs one engine per point"),
+          jobs: int = typer.Option(0, "--jobs", help="parallel simulator points (0 = CPU count)"),
+          executor: str = typer.Option("local", "--executor", help="local | ray"),
+          ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster (default: start a local one)"),
+          out: Optional[str] = typer.Option(None, "--out", help="sweep folder (default reports/runs/sweep-<name>-<time>)"),
+          point_reports: bool = typer.Option(True, help="write each point's PNGs and report.html (about 1 s a point)")) -> None:
+    """Run the Cartesian grid of overrides: one results folder per point, sweep.csv and a sweep report."""
+    from workbench.sweep import sweep_command
+
+    sweep_command(scenario, set_, jobs, executor, ray_address, out, point_reports)
+
+
+@app.command()
+def capacity(scenario: str = typer.Argument(..., help="scenario YAML file (its slo section sets the targets)"),
+             engine: str = typer.Option(..., "--engine", help="the engine to load (the others are dropped)"),
+             metric: List[str] = typer.Option([], "--metric", help="SLO metric to hold at p99: ttft, tpot, e2el "
+                                              "(repeatable; default: every one the slo section sets)"),
+             start: Optional[float] = typer.Option(None, "--start", help="first rate tried, req/s (default: trace.request_rate or 1)"),
+             tolerance: float = typer.Option(0.02, "--tolerance", help="stop bisecting when (fail - pass) / pass <= this"),
+             max_rate: float = typer.Option(1024.0, "--max-rate", help="give up bracketing above this rate"),
+             set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value"),
+             as_json: bool = typer.Option(False, "--json", help="print the result as JSON")) -> None:
+    """Highest trace.request_rate at which the scenario's p99 SLO holds, by doubling then bisection."""
+    from workbench.capacity import capacity_command
+
+    capacity_command(scenario, engine, metric, start, tolerance, max_rate, set_, as_json)
+
+
+@app.command()
+def compare(results: List[str] = typer.Argument(..., help="results.json files or run folders (first = reference)"),
+            markdown: Optional[str] = typer.Option(None, "--markdown", help="also write the table as Markdown here"),
+            metric: List[str] = typer.Option([], "--metric", help="dotted summary metric (repeatable; default: the main ones)"),
+            force: bool = typer.Option(False, "--force", help="compare runs of different scenarios anyway")) -> None:
+    """Per engine and metric, each run's value and its ratio to the first run."""
+    from workbench.compare import compare_command
+
+    compare_command(results, markdown, force, metric or None)
+
+
+@app.command()
+def gate(results: List[str] = typer.Argument(None, help="results.json files or run folders (several = repeated runs)"),
+         baseline: Optional[str] = typer.Option(None, "--baseline", help="baseline JSON, e.g. reports/baselines/NAME.json"),
+         max_drop: List[str] = typer.Option([], "--max-drop", help="[ENGINE.]METRIC=PCT, e.g. output_throughput=5%"),
+         max_rise: List[str] = typer.Option([], "--max-rise", help="[ENGINE.]METRIC=PCT, e.g. e2el_ms.p99=10%"),
+         max_change: List[str] = typer.Option([], "--max-change", help="[ENGINE.]METRIC=PCT either way; METRIC * = all"),
+         ratio: List[str] = typer.Option([], "--ratio", help="NUM/DEN:METRIC>=VALUE in the same run, e.g. paged/static:output_throughput>=1.5"),
+         scenario: Optional[str] = typer.Option(None, "--scenario", help="run this scenario (--repeat times) and gate the runs"),
+         repeat: int = typer.Option(1, "--repeat", help="runs of --scenario; bounds then compare 95% confidence intervals"),
+         set_: List[str] = typer.Option([], "--set", help="override a field of --scenario: dotted.path=value"),
+         out: Optional[str] = typer.Option(None, "--out", help="folder for the --scenario runs"),
+         update_baseline: bool = typer.Option(False, "--update-baseline", help="write the results as the new baseline"),
+         force: bool = typer.Option(False, "--force", help="gate against a baseline of another scenario anyway"),
+         show_all: bool = typer.Option(False, "--show-all", help="print every check, not only the violated ones")) -> None:
+    """Exit 1 with a table of every violated bound (metric, engine, baseline, value, bound), 0 otherwise."""
+    from workbench.gate import gate_command
+
+    code = gate_command(results or [], baseline, max_drop, max_rise, max_change, ratio, scenario, repeat, set_, out,
+                        update_baseline, force, show_all)
+    raise typer.Exit(code)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

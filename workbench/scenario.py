@@ -175,6 +175,8 @@ class EngineSpec(_Model):
         dtype: ``float32`` or ``bfloat16``.
         policy: sim only: the scheduling policy simulated, ``paged`` (default) or ``static``.
         cost_model: sim only: a profile JSON (relative to the scenario's folder) or ``builtin:cpu`` (default).
+        test_step_delay_s: TEST-ONLY, real engines only: seconds of busy work added to every step, to slow
+            an engine deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
     """
 
     name: str = Field(min_length=1, max_length=64)
@@ -190,6 +192,14 @@ class EngineSpec(_Model):
     dtype: Literal["float32", "bfloat16"] = "float32"
     policy: Literal["paged", "static"] | None = None
     cost_model: str | None = None
+    # --- issue 4 (sweeps/capacity/compare/gate): test-only slowdown knob ---
+    test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _check_test_knobs(self) -> "EngineSpec":
+        if self.test_step_delay_s is not None and self.kind == "sim":
+            raise ValueError("test_step_delay_s is only for real engines (kind paged or static)")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -452,9 +462,13 @@ def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None,
 def scenario_hash(scenario: Scenario) -> str:
     """First 16 hex digits of the sha256 of the scenario's canonical JSON (sorted keys, defaults filled).
 
-    Paths hash as written (not resolved), so a scenario keeps its hash when the project moves.
+    Paths hash as written (not resolved), so a scenario keeps its hash when the project moves. Test-only
+    knobs (``test_step_delay_s``) are left out: a deliberately slowed run is still the same scenario.
     """
-    canon = json.dumps(scenario.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    data = scenario.model_dump(mode="json")
+    for eng in data.get("engines", []):  # issue 4: test-only knobs do not change what a scenario is
+        eng.pop("test_step_delay_s", None)
+    canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
