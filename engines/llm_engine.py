@@ -75,6 +75,17 @@ class StepRecord:
     kv_reserved: int
     kv_internal_frag: int
     kv_external_frag: int
+    # issue 5: prefix cache lookups of the requests admitted in this step (tokens), preemptions by swap
+    # (the rest of num_preemptions are by recompute), swap traffic, KV memory saved by block sharing
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions_swap: int = 0
+    num_swapped: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_bytes: int = 0
+    swap_time: float = 0.0
+    kv_shared_saved: int = 0
 
 
 class LLMEngine:
@@ -92,6 +103,7 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._texts: dict[str, str] = {}
+        self._last_swap_time = 0.0
 
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue a request; returns its output at once if it is rejected."""
@@ -117,6 +129,7 @@ class LLMEngine:
         start = self.clock()
         result = self.executor.execute(out)
         now = self.clock()
+        self._last_swap_time = getattr(result, "swap_time", 0.0)
         self._record(out, start, now - start)
         for seq in out.seqs:
             if seq.is_padding:
@@ -196,7 +209,24 @@ class LLMEngine:
                 kv_reserved=kv.reserved,
                 kv_internal_frag=kv.internal_frag,
                 kv_external_frag=kv.external_frag,
+                **self._issue5_fields(out),
             )
+        )
+
+    def _issue5_fields(self, out) -> dict:
+        block_bytes = getattr(self.executor, "block_bytes", 0)
+        n_out, n_in = len(getattr(out, "blocks_to_swap_out", ())), len(getattr(out, "blocks_to_swap_in", ()))
+        kv = getattr(self.scheduler, "kv", None)
+        return dict(
+            prefix_cache_queries=getattr(out, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(out, "prefix_cache_hits", 0),
+            num_preemptions_swap=getattr(out, "num_preempted_swap", 0),
+            num_swapped=getattr(out, "num_swapped", 0),
+            swap_out_blocks=n_out,
+            swap_in_blocks=n_in,
+            swap_bytes=(n_out + n_in) * block_bytes,
+            swap_time=self._last_swap_time,
+            kv_shared_saved=kv_shared_saved(kv, self.scheduler.running) if isinstance(kv, PagedKVCacheManager) else 0,
         )
 
     def run_to_completion(self) -> list[RequestOutput]:
@@ -207,14 +237,33 @@ class LLMEngine:
         return done
 
 
-def build_scheduler(kind: str, sched_cfg: SchedulerConfig, num_blocks: int, block_size: int) -> Scheduler:
-    """The policy for ``kind``: ``paged`` or ``static``.
+def kv_shared_saved(kv: PagedKVCacheManager, requests) -> int:
+    """KV slots saved by block sharing now: sum over held blocks of (ref count - 1) x block_size, i.e. the
+    slots the same requests would need without prefix-cache or parallel-sampling sharing."""
+    if not kv.pool.num_shared_blocks:
+        return 0
+    seen: set[int] = set()
+    saved = 0
+    for r in requests:
+        for b in kv.block_tables.get(r.request_id, ()):
+            if b not in seen:
+                seen.add(b)
+                saved += kv.pool.blocks[b].ref_cnt - 1
+    return saved * kv.block_size
+
+
+def build_scheduler(kind: str, sched_cfg: SchedulerConfig, num_blocks: int, block_size: int,
+                    num_cpu_blocks: int = 0) -> Scheduler:
+    """The policy for ``kind``: ``paged`` or ``static``. ``num_cpu_blocks``: the paged policy's CPU swap
+    pool (swap preemption); prefix caching follows ``sched_cfg.enable_prefix_caching``.
 
     Raises:
-        ValueError: unknown kind.
+        ValueError: unknown kind, or a bad knob.
     """
     if kind == "paged":
-        return PagedScheduler(sched_cfg, PagedKVCacheManager(num_blocks, block_size))
+        kv = PagedKVCacheManager(num_blocks, block_size, enable_caching=sched_cfg.enable_prefix_caching,
+                                 num_cpu_blocks=num_cpu_blocks)
+        return PagedScheduler(sched_cfg, kv)
     if kind == "static":
         return StaticScheduler(sched_cfg, ContiguousKVCacheManager(num_blocks, block_size))
     raise ValueError(f"engine must be 'paged' or 'static', got {kind!r}")
@@ -235,6 +284,12 @@ class LLM:
         seed: seed of the shared sampling generator.
         step_delay_s: test-only: busy-wait added to every step.
         attention_backend: decode attention: ``auto`` (compiled CPU kernel when float32), ``torch``, ``cpp``.
+        enable_prefix_caching: automatic prefix caching (paged; default on).
+        enable_chunked_prefill: split prompts across steps (paged; default on).
+        long_prefill_token_threshold: most prompt tokens of one request per step (0 = no cap).
+        preemption_mode: ``recompute`` (default) or ``swap``.
+        swap_space_bytes: CPU swap pool in bytes (swap preemption; default 0 = none, so swap falls back
+            to recompute).
 
     Raises:
         ModelNotFoundError: ``model`` is neither a known name nor a folder.
@@ -257,6 +312,11 @@ class LLM:
         seed: int = 0,
         step_delay_s: float = 0.0,
         attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        preemption_mode: str = "recompute",
+        swap_space_bytes: int = 0,
     ):
         import torch
         from transformers import AutoTokenizer
@@ -280,13 +340,23 @@ class LLM:
             max_model_len=max_model_len or mc.max_position_embeddings,
             max_batch_size=max_batch_size,
             reservation=reservation,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            preemption_mode=preemption_mode,
         )
-        cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes)
+        bad = sched_cfg.validate()
+        if bad:
+            raise ValueError(bad)
+        cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes, swap_space_bytes=swap_space_bytes)
         elt = torch.tensor([], dtype=dtypes[dtype]).element_size()
         num_blocks = cache.num_blocks(mc.kv_bytes_per_token(elt), DEFAULT_KV_CACHE_TOKENS)
+        num_cpu_blocks = cache.num_cpu_blocks(mc.kv_bytes_per_token(elt)) if engine == "paged" else 0
         model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype], attention_backend)
-        executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s)
-        self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size), executor, self.tokenizer)
+        executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s,
+                                 num_cpu_blocks=num_cpu_blocks)
+        self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size, num_cpu_blocks),
+                                executor, self.tokenizer)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
         self._ids = itertools.count()
 

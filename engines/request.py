@@ -58,6 +58,10 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    # issue 5: prefix caching (chained hashes of full blocks, extended by the KV manager; cache_salt is
+    # mixed into every block hash so requests with different salts never share blocks)
+    block_hashes: list = field(default_factory=list)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # prompt + outputs in one list, appended to in place, so a step's slice costs O(tokens scheduled)
