@@ -81,6 +81,9 @@ class PagedKVCacheManager:
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.cpu_tables: dict[str, list[int]] = {}
+        # copy-on-write block copies (src, dst) made by allocate_slots, drained by the scheduler each step
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -152,6 +155,21 @@ class PagedKVCacheManager:
         hit = new_computed_blocks or []
         total = request.num_computed_tokens + len(hit) * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - len(table) - len(hit)
+        # copy-on-write: the first new token lands in a partly filled block another sequence shares
+        cow = -1
+        if num_new_tokens > 0 and request.num_computed_tokens % self.block_size:
+            i = request.num_computed_tokens // self.block_size
+            if i < len(table) and self.pool.blocks[table[i]].ref_cnt > 1:
+                cow = i
+        if cow >= 0:
+            if max(need, 0) + 1 > self.pool.num_free_blocks:
+                return False
+            (dst,) = self.pool.allocate(1)
+            src = table[cow]
+            self.pending_copies.append((src, dst))
+            self.pool.free([src])
+            table[cow] = dst
+            self.num_cow_copies += 1
         if hit:
             # hit blocks that sit in the free queue stop being available for fresh allocation
             free_hits = sum(1 for b in hit if self.pool.blocks[b].ref_cnt == 0)
@@ -167,6 +185,15 @@ class PagedKVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, total)
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's blocks (shared by ref count; a shared partly filled block is copied
+        when one of them writes into it, see :meth:`allocate_slots`)."""
+        table = list(self.block_tables.get(parent.request_id, []))
+        self.pool.incref(table)
+        self.block_tables[child.request_id] = table
+        self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
 
     def free(self, request: Request) -> None:
         """Release all blocks of the request, GPU and swapped-out CPU ones (no-op if it holds none).

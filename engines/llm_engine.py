@@ -44,6 +44,13 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # issue 5: parallel sampling: the sequence's parent request (None for a prompt's first sequence), its
+    # index among the prompt's sequences, its cumulative log-probability (best_of), and, on the output
+    # LLM.generate returns, the prompt's n best sequences (index order; [] when n = 1)
+    parent_id: str | None = None
+    seq_index: int = 0
+    cumulative_logprob: float = 0.0
+    outputs: list["RequestOutput"] = field(default_factory=list)
 
 
 _FINISH_REASON = {
@@ -147,6 +154,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             det = self._detok.get(rid)
+            if det is None and req.parent_id is not None and req.sampling_params.stop and self.tokenizer is not None:
+                det = self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                req.sampling_params.stop)  # a forked child
             if det is None or req.status == RequestStatus.FINISHED_STOPPED:
                 continue
             _, stop = det.step(req.output_token_ids[-1])
@@ -186,6 +196,9 @@ class LLMEngine:
             first_token_time=req.first_token_time,
             finished_time=req.finished_time,
             token_times=req.token_times,
+            parent_id=req.parent_id,
+            seq_index=req.seq_index,
+            cumulative_logprob=req.cumulative_logprob,
         )
 
     def _record(self, out, start: float, duration: float) -> None:
@@ -235,6 +248,19 @@ class LLMEngine:
         while self.has_unfinished():
             done.extend(self.step())
         return done
+
+
+def _group(first: RequestOutput, children: list[RequestOutput], n: int) -> RequestOutput:
+    """The prompt's output with ``outputs`` = its n sequences (parallel sampling): all of them for
+    ``n``, the n of highest cumulative log-probability for ``best_of``; in sequence-index order."""
+    if not children:
+        return first
+    seqs = sorted([first, *children], key=lambda o: o.seq_index)
+    if len(seqs) > n:
+        best = sorted(seqs, key=lambda o: -o.cumulative_logprob)[:n]
+        seqs = sorted(best, key=lambda o: o.seq_index)
+    first.outputs = seqs
+    return first
 
 
 def kv_shared_saved(kv: PagedKVCacheManager, requests) -> int:
@@ -378,22 +404,29 @@ class LLM:
         """Run all prompts as one batch to completion; outputs in prompt order.
 
         Rejected requests (over ``max_model_len``, ``max_tokens < 1``...) come back with
-        ``finish_reason == "rejected"`` and ``error`` set, while the rest complete.
+        ``finish_reason == "rejected"`` and ``error`` set, while the rest complete. With ``n`` > 1
+        (parallel sampling) a prompt's output carries its n sequences in ``outputs`` (the first of them
+        is the output itself).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        order, results = [], {}
+        order, results, nums = [], {}, {}
         for prompt, sp in zip(prompts, plist):
             ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
             rid = str(next(self._ids))
             order.append(rid)
+            nums[rid] = sp.n
             req = Request(rid, ids, sp, arrival_time=self.engine.clock(),
                           prompt=prompt if isinstance(prompt, str) else None, eos_token_id=self.eos_token_id)
             rejected = self.engine.add_request(req)
             if rejected is not None:
                 results[rid] = rejected
+        groups: dict[str, list[RequestOutput]] = {}
         for o in self.engine.run_to_completion():
-            results[o.request_id] = o
-        return [results[r] for r in order]
+            if o.parent_id is not None:
+                groups.setdefault(o.parent_id, []).append(o)
+            else:
+                results[o.request_id] = o
+        return [_group(results[r], groups.get(r, []), nums[r]) for r in order]

@@ -112,15 +112,27 @@ class ModelExecutor:
         input_ids, positions, meta, last_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
-        sampled = {}
+        sampled, logprobs = {}, {}
         if sample_seqs:
-            rows = torch.tensor([last_idx[s.request_id] for s in sample_seqs])
-            logits = self.model.compute_logits(hidden[rows])
-            toks = self.sampler.sample(logits, [s.request_id for s in sample_seqs], [s.sampling_params for s in sample_seqs])
-            sampled = {s.request_id: t for s, t in zip(sample_seqs, toks)}
+            # a row that forks parallel-sampling children is sampled once per child too (same logits)
+            rows, ids, params = [], [], []
+            for s in sample_seqs:
+                rows.append(last_idx[s.request_id])
+                ids.append(s.request_id)
+                params.append(s.sampling_params)
+                for cid, cp in zip(s.fork_ids, s.fork_params):
+                    rows.append(last_idx[s.request_id])
+                    ids.append(cid)
+                    params.append(cp)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows)])
+            toks = self.sampler.sample(logits, ids, params)
+            sampled = dict(zip(ids, toks))
+            if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
+                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)]
+                logprobs = dict(zip(ids, lp.tolist()))
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
-        return StepResult(sampled, time.perf_counter() - t0, swap_time)
+        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs)
 
     def _copy_blocks(self, out: SchedulerOutput) -> float:
         """Run the step's swap-outs, swap-ins and block copies (in that order); returns the seconds the

@@ -48,6 +48,9 @@ class ScheduledSeq:
     sample: bool
     sampling_params: SamplingParams
     is_padding: bool = False
+    # issue 5: parallel sampling: child sequences to sample from this row's logits too (and their params)
+    fork_ids: list[str] = field(default_factory=list)
+    fork_params: list[SamplingParams] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +102,16 @@ class StepResult:
     sampled: dict[str, int]
     duration: float
     swap_time: float = 0.0  # issue 5: seconds of the step spent copying swapped blocks (included in duration)
+    logprobs: dict[str, float] = field(default_factory=dict)  # issue 5: log p of sampled tokens (best_of)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling parameters of parallel-sampling child ``index`` (1..): one sequence each, and a seed
+    offset by ``index`` so seeded children do not repeat the parent's samples."""
+    import dataclasses
+
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
 
 
 class Scheduler:
@@ -298,8 +311,9 @@ class PagedScheduler(Scheduler):
             if n == 0 or not self.kv.allocate_slots(req, n, hit_blocks):
                 break
             self.kv.record_prefix_query(req, num_hit)
-            out.prefix_cache_queries += req.num_tokens_total
-            out.prefix_cache_hits += num_hit
+            if self.kv.enable_caching and not req.num_preemptions:
+                out.prefix_cache_queries += req.num_tokens_total
+                out.prefix_cache_hits += num_hit
             req.num_computed_tokens += num_hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -307,6 +321,8 @@ class PagedScheduler(Scheduler):
             seqs.append(self._seq(req, n))
             budget -= n
 
+        out.blocks_to_copy.extend(self.kv.pending_copies)
+        self.kv.pending_copies.clear()
         out.kv_stats = self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding})
         out.num_running, out.num_waiting, out.num_swapped = len(self.running), len(self.waiting), len(self.swapped)
         return out
@@ -347,7 +363,7 @@ class PagedScheduler(Scheduler):
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
@@ -355,6 +371,51 @@ class PagedScheduler(Scheduler):
             sample=start + n == req.num_tokens_total,
             sampling_params=req.sampling_params,
         )
+        if seq.sample and not req.output_token_ids and req.fork_ids:
+            seq.fork_ids = req.fork_ids
+            seq.fork_params = [child_params(req.sampling_params, i) for i in range(1, len(seq.fork_ids) + 1)]
+        return seq
+
+    # -- parallel sampling (issue 5) ---------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """As ``Scheduler.update``, and fork parallel-sampling children off a request whose first token
+        was sampled in this step: each child shares the parent's blocks and starts with its own token."""
+        children: list[Request] = []
+        for seq in output.seqs:
+            if not seq.fork_ids or any(c not in result.sampled for c in seq.fork_ids):
+                continue
+            parent = self.requests.get(seq.request_id)
+            if parent is None or parent.is_finished or parent.forked:
+                continue
+            parent.forked = True
+            for i, (cid, sp) in enumerate(zip(seq.fork_ids, seq.fork_params), 1):
+                child = Request(cid, parent.prompt_token_ids, sp, arrival_time=parent.arrival_time,
+                                prompt=parent.prompt, eos_token_id=parent.eos_token_id, parent_id=parent.request_id,
+                                seq_index=i, forked=True, cache_salt=parent.cache_salt)
+                child.first_scheduled_time = parent.first_scheduled_time
+                child.num_computed_tokens = seq.start_pos + seq.num_tokens
+                self.kv.fork(parent, child)
+                child.status = RequestStatus.RUNNING
+                self.requests[cid] = child
+                self.running.append(child)
+                tok = result.sampled[cid]
+                child.append_output(tok)
+                child.cumulative_logprob += result.logprobs.get(cid, 0.0)
+                children.append(child)
+        for seq in output.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and seq.sample and seq.request_id in result.logprobs:
+                req.cumulative_logprob += result.logprobs[seq.request_id]
+        finished = super().update(output, result)
+        for child in children:
+            tok = child.output_token_ids[-1]
+            if not child.sampling_params.ignore_eos and child.eos_token_id is not None and tok == child.eos_token_id:
+                self.finish_request(child.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
+                finished.append(child)
+            elif child.num_output_tokens >= child.sampling_params.max_tokens:
+                self.finish_request(child.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.append(child)
+        return finished
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

@@ -62,6 +62,9 @@ class CostModelExecutor:
         dt = self.cost_model.predict(out.seqs) + swap_time
         self.clock.now += dt
         sampled = {s.request_id: PLACEHOLDER_TOKEN for s in out.seqs if s.sample and not s.is_padding}
+        for s in out.seqs:
+            if s.sample:
+                sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
         return StepResult(sampled, dt, swap_time)
 
     def release(self, request_id: str) -> None:
