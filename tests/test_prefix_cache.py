@@ -154,9 +154,10 @@ class FakeKVExecutor:
                 got = self.mem[seq.block_table[p // bs]][p % bs]
                 assert got == r.all_token_ids[p], (seq.request_id, p, got, r.all_token_ids[p])
             if seq.sample:
-                tok = self.rng.randrange(3, 60)
-                sampled[seq.request_id] = tok
-                self.emitted.setdefault(seq.request_id, []).append(tok)
+                for rid in [seq.request_id, *seq.fork_ids]:  # parallel-sampling children sample here too
+                    tok = self.rng.randrange(3, 60)
+                    sampled[rid] = tok
+                    self.emitted.setdefault(rid, []).append(tok)
         return StepResult(sampled, 0.0)
 
 
