@@ -115,7 +115,9 @@ def make_plots(results: dict, frames: dict[str, tuple[pd.DataFrame, pd.DataFrame
         a.grid(alpha=0.3)
     a1.legend(fontsize=7)
     plots["batch_preemptions.png"] = _png(fig)
-    plots["memory_management.png"] = memory_plot(names, summ)
+    if any(summ[n].get("prefix_cache_hits", 0) or summ[n].get("num_preemptions_swap", 0)
+           or summ[n].get("kv_shared_saved_mean", 0) for n in names):  # issue 5 panel, when there is something to show
+        plots["memory_management.png"] = memory_plot(names, summ)
     return plots
 
 
