@@ -1,32 +1,60 @@
-"""Block pool: fixed-size KV blocks with reference counts and a free-block queue (no torch).
+"""Block pool: fixed-size KV blocks with reference counts, a free-block queue and a prefix cache (no torch).
 
 Shaped after vLLM V1's ``BlockPool``: blocks are handed out from the head of a free queue and returned
 to its tail when their reference count drops to zero, so the least recently freed block is reused
 first. Reference counts let several sequences share a block (prefix caching, parallel sampling).
+
+Automatic prefix caching (vLLM V1): a full block can be registered under its *block hash* (see
+:func:`hash_block_tokens`). A freed block keeps its hash and stays findable while it waits in the free
+queue; it is evicted (its hash forgotten) only when :meth:`BlockPool.allocate` hands it out as a fresh
+block, so eviction is least-recently-freed first. A cache hit on a free block takes it out of the free
+queue (:meth:`BlockPool.touch`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Hashable, Sequence
 
 
 class BlockPoolError(RuntimeError):
     """Raised on a bookkeeping bug: freeing a free block (ref count would go negative)."""
 
 
+BlockHash = int
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                      extra_keys: Hashable | None = None) -> BlockHash:
+    """Hash of one full block: ``hash((parent block's hash, the block's token ids, extra keys))``.
+
+    Chaining the parent's hash makes a block's hash identify the whole prefix up to and including it
+    (vLLM V1's ``hash_block_tokens``). Python's ``hash`` of a tuple of ints is deterministic across runs
+    (only str/bytes hashing is salted); it is 64-bit, so a collision is about 2**-64 per pair of blocks.
+    """
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
 @dataclass
 class KVBlock:
-    """One block of ``block_size`` token slots. ``ref_cnt`` = sequences that hold it."""
+    """One block of ``block_size`` token slots. ``ref_cnt`` = sequences that hold it;
+    ``block_hash`` = its prefix-cache key while it is registered in the cache (None otherwise)."""
 
     block_id: int
     ref_cnt: int = 0
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
     """``num_blocks`` blocks, ids ``0 .. num_blocks-1``.
 
     A failed allocation is a normal answer (``None``), not an exception: the scheduler preempts.
+    ``num_free_blocks`` counts every block with ref count 0, cached ones included (they are evictable).
+
+    Attributes:
+        cached: block hash -> block id of every block registered in the prefix cache.
+        num_evictions: cached blocks whose hash was dropped to reuse them as fresh blocks.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -34,7 +62,11 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        # free queue in LRU order (head = next to reuse); an OrderedDict so a cache hit removes in O(1)
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+        self.num_evictions = 0
+        self.num_shared_blocks = 0  # blocks with ref_cnt > 1 (KV accounting takes a slower path then)
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,24 +76,51 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (held or free)."""
+        return len(self.cached)
+
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks (ref count 1 each); ``None`` if fewer than ``n`` are free."""
+        """Take ``n`` free blocks (ref count 1 each), evicting the cached ones among them;
+        ``None`` if fewer than ``n`` are free."""
         if n > len(self._free):
             return None
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.popitem(last=False)[0] for _ in range(n)]
         for i in ids:
-            self.blocks[i].ref_cnt = 1
+            blk = self.blocks[i]
+            if blk.block_hash is not None:  # evict: its contents are about to be overwritten
+                if self.cached.get(blk.block_hash) == i:
+                    del self.cached[blk.block_hash]
+                blk.block_hash = None
+                self.num_evictions += 1
+            blk.ref_cnt = 1
         return ids
 
     def incref(self, block_ids: list[int]) -> None:
         """Share already-held blocks with one more sequence."""
         for i in block_ids:
-            if self.blocks[i].ref_cnt <= 0:
+            blk = self.blocks[i]
+            if blk.ref_cnt <= 0:
                 raise BlockPoolError(f"block {i} is free and cannot be shared")
-            self.blocks[i].ref_cnt += 1
+            blk.ref_cnt += 1
+            if blk.ref_cnt == 2:
+                self.num_shared_blocks += 1
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take one more reference to cached blocks found by a prefix-cache hit; a free one leaves the
+        free queue (it is no longer evictable)."""
+        for i in block_ids:
+            blk = self.blocks[i]
+            if blk.ref_cnt == 0:
+                del self._free[i]
+            blk.ref_cnt += 1
+            if blk.ref_cnt == 2:
+                self.num_shared_blocks += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; a block whose count reaches zero joins the free queue.
+        """Drop one reference to each block; a block whose count reaches zero joins the tail of the free
+        queue (keeping its hash, so it can still be hit until it is evicted).
 
         Raises:
             BlockPoolError: a block is already free.
@@ -71,5 +130,36 @@ class BlockPool:
             if blk.ref_cnt <= 0:
                 raise BlockPoolError(f"block {i} freed twice (ref count would go negative)")
             blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                self._free.append(i)
+            if blk.ref_cnt == 1:
+                self.num_shared_blocks -= 1
+            elif blk.ref_cnt == 0:
+                self._free[i] = None
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block registered under ``block_hash``, or None."""
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a held, full block under ``block_hash``. Returns False (changing nothing) when another
+        block already holds that hash (two requests computed the same block) or this one has a hash."""
+        blk = self.blocks[block_id]
+        if blk.block_hash is not None or block_hash in self.cached:
+            return False
+        blk.block_hash = block_hash
+        self.cached[block_hash] = block_id
+        return True
+
+    def uncache_block(self, block_id: int) -> None:
+        """Forget a block's hash (its contents are about to change in place, e.g. copy-on-write)."""
+        blk = self.blocks[block_id]
+        if blk.block_hash is not None:
+            if self.cached.get(blk.block_hash) == block_id:
+                del self.cached[blk.block_hash]
+            blk.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every hash (blocks stay where they are)."""
+        for blk in self.blocks:
+            blk.block_hash = None
+        self.cached.clear()

@@ -83,6 +83,7 @@ class CacheConfig:
         block_size: tokens per KV block (vLLM's default 16).
         kv_cache_tokens: pool capacity in tokens (rounded down to whole blocks).
         kv_cache_bytes: alternative to ``kv_cache_tokens``: pool capacity in bytes of K+V over all layers.
+        swap_space_bytes: CPU swap pool for swap preemption, bytes of K+V over all layers (0 = none).
     """
 
     block_size: int = 16
@@ -99,6 +100,13 @@ class CacheConfig:
             tokens = default_tokens
         return max(1, tokens // self.block_size)
 
+    # issue 5: CPU swap space for swap preemption
+    swap_space_bytes: int = 0
+
+    def num_cpu_blocks(self, bytes_per_token: int) -> int:
+        """Blocks in the CPU swap pool: ``swap_space_bytes // (bytes_per_token * block_size)``."""
+        return self.swap_space_bytes // (bytes_per_token * self.block_size) if self.swap_space_bytes else 0
+
 
 @dataclass
 class SchedulerConfig:
@@ -110,6 +118,13 @@ class SchedulerConfig:
         max_model_len: longest prompt + output a request may have, in tokens.
         max_batch_size: requests per batch (static).
         reservation: static KV reservation policy: ``max``, ``pow2`` or ``oracle``.
+        enable_prefix_caching: automatic prefix caching of full blocks (paged).
+        enable_chunked_prefill: split a prompt across steps when it does not fit the step's budget;
+            off: it waits for a step with room for all of it (paged).
+        long_prefill_token_threshold: most prompt tokens one request computes per step (0 = no cap;
+            chunked prefill only).
+        preemption_mode: ``recompute`` (free the blocks, recompute later) or ``swap`` (copy them to the
+            CPU swap pool and back; recompute when the swap pool is full).
     """
 
     max_num_seqs: int = 256
@@ -117,3 +132,20 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_batch_size: int = 64
     reservation: str = "max"
+    # issue 5: prefix caching, chunked prefill, preemption modes (paged policy)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "recompute"
+
+    def validate(self) -> str | None:
+        """One-line reason why the issue-5 knobs are invalid, or None."""
+        if self.preemption_mode not in PREEMPTION_MODES:
+            return f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
+        if self.long_prefill_token_threshold < 0:
+            return f"long_prefill_token_threshold must be >= 0 (0 = no cap), got {self.long_prefill_token_threshold}"
+        return None
+
+
+PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_SWAP_BANDWIDTH = 32e9  # bytes/s: PCIe 4.0 x16, one direction (~32 GB/s)

@@ -44,6 +44,13 @@ class RequestOutput:
     first_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # issue 5: parallel sampling: the sequence's parent request (None for a prompt's first sequence), its
+    # index among the prompt's sequences, its cumulative log-probability (best_of), and, on the output
+    # LLM.generate returns, the prompt's n best sequences (index order; [] when n = 1)
+    parent_id: str | None = None
+    seq_index: int = 0
+    cumulative_logprob: float = 0.0
+    outputs: list["RequestOutput"] = field(default_factory=list)
 
 
 _FINISH_REASON = {
@@ -75,6 +82,17 @@ class StepRecord:
     kv_reserved: int
     kv_internal_frag: int
     kv_external_frag: int
+    # issue 5: prefix cache lookups of the requests admitted in this step (tokens), preemptions by swap
+    # (the rest of num_preemptions are by recompute), swap traffic, KV memory saved by block sharing
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions_swap: int = 0
+    num_swapped: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_bytes: int = 0
+    swap_time: float = 0.0
+    kv_shared_saved: int = 0
 
 
 class LLMEngine:
@@ -92,6 +110,7 @@ class LLMEngine:
         self.steps: list[StepRecord] = []
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._texts: dict[str, str] = {}
+        self._last_swap_time = 0.0
 
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue a request; returns its output at once if it is rejected."""
@@ -117,6 +136,7 @@ class LLMEngine:
         start = self.clock()
         result = self.executor.execute(out)
         now = self.clock()
+        self._last_swap_time = getattr(result, "swap_time", 0.0)
         self._record(out, start, now - start)
         for seq in out.seqs:
             if seq.is_padding:
@@ -134,6 +154,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
             det = self._detok.get(rid)
+            if det is None and req.parent_id is not None and req.sampling_params.stop and self.tokenizer is not None:
+                det = self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                req.sampling_params.stop)  # a forked child
             if det is None or req.status == RequestStatus.FINISHED_STOPPED:
                 continue
             _, stop = det.step(req.output_token_ids[-1])
@@ -173,6 +196,9 @@ class LLMEngine:
             first_token_time=req.first_token_time,
             finished_time=req.finished_time,
             token_times=req.token_times,
+            parent_id=req.parent_id,
+            seq_index=req.seq_index,
+            cumulative_logprob=req.cumulative_logprob,
         )
 
     def _record(self, out, start: float, duration: float) -> None:
@@ -196,7 +222,24 @@ class LLMEngine:
                 kv_reserved=kv.reserved,
                 kv_internal_frag=kv.internal_frag,
                 kv_external_frag=kv.external_frag,
+                **self._issue5_fields(out),
             )
+        )
+
+    def _issue5_fields(self, out) -> dict:
+        block_bytes = getattr(self.executor, "block_bytes", 0)
+        n_out, n_in = len(getattr(out, "blocks_to_swap_out", ())), len(getattr(out, "blocks_to_swap_in", ()))
+        kv = getattr(self.scheduler, "kv", None)
+        return dict(
+            prefix_cache_queries=getattr(out, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(out, "prefix_cache_hits", 0),
+            num_preemptions_swap=getattr(out, "num_preempted_swap", 0),
+            num_swapped=getattr(out, "num_swapped", 0),
+            swap_out_blocks=n_out,
+            swap_in_blocks=n_in,
+            swap_bytes=(n_out + n_in) * block_bytes,
+            swap_time=self._last_swap_time,
+            kv_shared_saved=kv_shared_saved(kv, self.scheduler.running) if isinstance(kv, PagedKVCacheManager) else 0,
         )
 
     def run_to_completion(self) -> list[RequestOutput]:
@@ -207,14 +250,46 @@ class LLMEngine:
         return done
 
 
-def build_scheduler(kind: str, sched_cfg: SchedulerConfig, num_blocks: int, block_size: int) -> Scheduler:
-    """The policy for ``kind``: ``paged`` or ``static``.
+def _group(first: RequestOutput, children: list[RequestOutput], n: int) -> RequestOutput:
+    """The prompt's output with ``outputs`` = its n sequences (parallel sampling): all of them for
+    ``n``, the n of highest cumulative log-probability for ``best_of``; in sequence-index order."""
+    if not children:
+        return first
+    seqs = sorted([first, *children], key=lambda o: o.seq_index)
+    if len(seqs) > n:
+        best = sorted(seqs, key=lambda o: -o.cumulative_logprob)[:n]
+        seqs = sorted(best, key=lambda o: o.seq_index)
+    first.outputs = seqs
+    return first
+
+
+def kv_shared_saved(kv: PagedKVCacheManager, requests) -> int:
+    """KV slots saved by block sharing now: sum over held blocks of (ref count - 1) x block_size, i.e. the
+    slots the same requests would need without prefix-cache or parallel-sampling sharing."""
+    if not kv.pool.num_shared_blocks:
+        return 0
+    seen: set[int] = set()
+    saved = 0
+    for r in requests:
+        for b in kv.block_tables.get(r.request_id, ()):
+            if b not in seen:
+                seen.add(b)
+                saved += kv.pool.blocks[b].ref_cnt - 1
+    return saved * kv.block_size
+
+
+def build_scheduler(kind: str, sched_cfg: SchedulerConfig, num_blocks: int, block_size: int,
+                    num_cpu_blocks: int = 0) -> Scheduler:
+    """The policy for ``kind``: ``paged`` or ``static``. ``num_cpu_blocks``: the paged policy's CPU swap
+    pool (swap preemption); prefix caching follows ``sched_cfg.enable_prefix_caching``.
 
     Raises:
-        ValueError: unknown kind.
+        ValueError: unknown kind, or a bad knob.
     """
     if kind == "paged":
-        return PagedScheduler(sched_cfg, PagedKVCacheManager(num_blocks, block_size))
+        kv = PagedKVCacheManager(num_blocks, block_size, enable_caching=sched_cfg.enable_prefix_caching,
+                                 num_cpu_blocks=num_cpu_blocks)
+        return PagedScheduler(sched_cfg, kv)
     if kind == "static":
         return StaticScheduler(sched_cfg, ContiguousKVCacheManager(num_blocks, block_size))
     raise ValueError(f"engine must be 'paged' or 'static', got {kind!r}")
@@ -235,6 +310,12 @@ class LLM:
         seed: seed of the shared sampling generator.
         step_delay_s: test-only: busy-wait added to every step.
         attention_backend: decode attention: ``auto`` (compiled CPU kernel when float32), ``torch``, ``cpp``.
+        enable_prefix_caching: automatic prefix caching (paged; default on).
+        enable_chunked_prefill: split prompts across steps (paged; default on).
+        long_prefill_token_threshold: most prompt tokens of one request per step (0 = no cap).
+        preemption_mode: ``recompute`` (default) or ``swap``.
+        swap_space_bytes: CPU swap pool in bytes (swap preemption; default 0 = none, so swap falls back
+            to recompute).
 
     Raises:
         ModelNotFoundError: ``model`` is neither a known name nor a folder.
@@ -257,6 +338,11 @@ class LLM:
         seed: int = 0,
         step_delay_s: float = 0.0,
         attention_backend: str = "auto",
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        preemption_mode: str = "recompute",
+        swap_space_bytes: int = 0,
     ):
         import torch
         from transformers import AutoTokenizer
@@ -280,13 +366,23 @@ class LLM:
             max_model_len=max_model_len or mc.max_position_embeddings,
             max_batch_size=max_batch_size,
             reservation=reservation,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            preemption_mode=preemption_mode,
         )
-        cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes)
+        bad = sched_cfg.validate()
+        if bad:
+            raise ValueError(bad)
+        cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes, swap_space_bytes=swap_space_bytes)
         elt = torch.tensor([], dtype=dtypes[dtype]).element_size()
         num_blocks = cache.num_blocks(mc.kv_bytes_per_token(elt), DEFAULT_KV_CACHE_TOKENS)
+        num_cpu_blocks = cache.num_cpu_blocks(mc.kv_bytes_per_token(elt)) if engine == "paged" else 0
         model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype], attention_backend)
-        executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s)
-        self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size), executor, self.tokenizer)
+        executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s,
+                                 num_cpu_blocks=num_cpu_blocks)
+        self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size, num_cpu_blocks),
+                                executor, self.tokenizer)
         self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
         self._ids = itertools.count()
 
@@ -308,22 +404,29 @@ class LLM:
         """Run all prompts as one batch to completion; outputs in prompt order.
 
         Rejected requests (over ``max_model_len``, ``max_tokens < 1``...) come back with
-        ``finish_reason == "rejected"`` and ``error`` set, while the rest complete.
+        ``finish_reason == "rejected"`` and ``error`` set, while the rest complete. With ``n`` > 1
+        (parallel sampling) a prompt's output carries its n sequences in ``outputs`` (the first of them
+        is the output itself).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        order, results = [], {}
+        order, results, nums = [], {}, {}
         for prompt, sp in zip(prompts, plist):
             ids = list(prompt) if not isinstance(prompt, str) else self.encode(prompt, chat)
             rid = str(next(self._ids))
             order.append(rid)
+            nums[rid] = sp.n
             req = Request(rid, ids, sp, arrival_time=self.engine.clock(),
                           prompt=prompt if isinstance(prompt, str) else None, eos_token_id=self.eos_token_id)
             rejected = self.engine.add_request(req)
             if rejected is not None:
                 results[rid] = rejected
+        groups: dict[str, list[RequestOutput]] = {}
         for o in self.engine.run_to_completion():
-            results[o.request_id] = o
-        return [results[r] for r in order]
+            if o.parent_id is not None:
+                groups.setdefault(o.parent_id, []).append(o)
+            else:
+                results[o.request_id] = o
+        return [_group(results[r], groups.get(r, []), nums[r]) for r in order]

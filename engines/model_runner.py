@@ -37,6 +37,43 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, K and V."""
+        return self.data[:, :, 0].numel() * self.data.element_size()
+
+    # issue 5: block copies for swap preemption and copy-on-write
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` inside the pool (all layers, K and V)."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            self.data[:, :, dst] = self.data[:, :, src]
+
+
+class SwapSpace:
+    """CPU swap pool ``[layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]`` (ordinary, not
+    pinned, memory; on a CPU-only machine the "device" pool is CPU memory too, so a swap is a memcpy)."""
+
+    def __init__(self, kv: KVCache, num_cpu_blocks: int) -> None:
+        shape = list(kv.data.shape)
+        shape[2] = num_cpu_blocks
+        self.data = torch.zeros(shape, dtype=kv.data.dtype, device="cpu")
+
+    def swap_out(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to CPU blocks: ``pairs`` = ``[(device block, cpu block)]``."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            self.data[:, :, dst] = kv.data[:, :, src].to("cpu")
+
+    def swap_in(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy CPU blocks to device blocks: ``pairs`` = ``[(cpu block, device block)]``."""
+        if pairs:
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            kv.data[:, :, dst] = self.data[:, :, src].to(kv.data.device)
+
 
 class ModelExecutor:
     """Runs real forward passes.
@@ -48,11 +85,14 @@ class ModelExecutor:
         step_delay_s: test-only knob: extra seconds of busy work added to every step.
     """
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, step_delay_s: float = 0.0):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, step_delay_s: float = 0.0,
+                 num_cpu_blocks: int = 0):
         self.model = model
         self.kv = KVCache(model.cfg, num_blocks, block_size, model.dtype)
         self.sampler = Sampler(seed)
         self.step_delay_s = step_delay_s
+        self.swap = SwapSpace(self.kv, num_cpu_blocks) if num_cpu_blocks else None
+        self.block_bytes = self.kv.block_bytes
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0):
@@ -65,21 +105,49 @@ class ModelExecutor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step; returns sampled tokens of the sequences with ``sample`` and the duration (s)."""
         t0 = time.perf_counter()
+        swap_time = self._copy_blocks(out)
         if out.is_empty:
-            return StepResult({}, 0.0)
+            return StepResult({}, time.perf_counter() - t0, swap_time)
         seqs = sorted(out.seqs, key=lambda s: not s.is_decode)  # decode rows first
         input_ids, positions, meta, last_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
-        sampled = {}
+        sampled, logprobs = {}, {}
         if sample_seqs:
-            rows = torch.tensor([last_idx[s.request_id] for s in sample_seqs])
-            logits = self.model.compute_logits(hidden[rows])
-            toks = self.sampler.sample(logits, [s.request_id for s in sample_seqs], [s.sampling_params for s in sample_seqs])
-            sampled = {s.request_id: t for s, t in zip(sample_seqs, toks)}
+            # a row that forks parallel-sampling children is sampled once per child too (same logits)
+            rows, ids, params = [], [], []
+            for s in sample_seqs:
+                rows.append(last_idx[s.request_id])
+                ids.append(s.request_id)
+                params.append(s.sampling_params)
+                for cid, cp in zip(s.fork_ids, s.fork_params):
+                    rows.append(last_idx[s.request_id])
+                    ids.append(cid)
+                    params.append(cp)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows)])
+            toks = self.sampler.sample(logits, ids, params)
+            sampled = dict(zip(ids, toks))
+            if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
+                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)]
+                logprobs = dict(zip(ids, lp.tolist()))
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
-        return StepResult(sampled, time.perf_counter() - t0)
+        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs)
+
+    def _copy_blocks(self, out: SchedulerOutput) -> float:
+        """Run the step's swap-outs, swap-ins and block copies (in that order); returns the seconds the
+        swaps took."""
+        swap_out = getattr(out, "blocks_to_swap_out", None)
+        swap_in = getattr(out, "blocks_to_swap_in", None)
+        if swap_out or swap_in:
+            t = time.perf_counter()
+            self.swap.swap_out(self.kv, swap_out)
+            self.swap.swap_in(self.kv, swap_in)
+            swap_time = time.perf_counter() - t
+        else:
+            swap_time = 0.0
+        self.kv.copy_blocks(getattr(out, "blocks_to_copy", None))
+        return swap_time
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         bs = self.kv.block_size

@@ -58,6 +58,23 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    # issue 5: prefix caching (chained hashes of full blocks, extended by the KV manager; cache_salt is
+    # mixed into every block hash so requests with different salts never share blocks)
+    block_hashes: list = field(default_factory=list)
+    cache_salt: str | None = None
+    # issue 5: parallel sampling: a request with sampling_params.num_seqs > 1 forks num_seqs - 1 child
+    # sequences (sharing its blocks) when its prompt's first token is sampled; children name it parent_id
+    parent_id: str | None = None
+    seq_index: int = 0
+    forked: bool = False
+    cumulative_logprob: float = 0.0
+
+    @property
+    def fork_ids(self) -> list[str]:
+        """Ids of the child sequences this request forks into (empty when it samples one sequence)."""
+        if self.parent_id is not None or self.forked:
+            return []
+        return [f"{self.request_id}#{i}" for i in range(1, self.sampling_params.num_seqs)]
 
     def __post_init__(self) -> None:
         # prompt + outputs in one list, appended to in place, so a step's slice costs O(tokens scheduled)

@@ -17,6 +17,9 @@ class SamplingParams:
         seed: per-request seed; two requests with the same seed and prompt sample the same tokens.
         stop: strings that end generation; the matched string is not included in ``text``.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks do this).
+        n: output sequences to return for the prompt (parallel sampling; they share the prompt's KV blocks).
+        best_of: sequences to generate (>= n); the n with the highest cumulative log-probability are
+            returned (None = n).
     """
 
     max_tokens: int = 16
@@ -26,6 +29,14 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # issue 5: parallel sampling
+    n: int = 1
+    best_of: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated for the prompt: ``best_of`` or ``n``."""
+        return self.best_of or self.n
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,4 +57,8 @@ class SamplingParams:
             return f"top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < -1:
             return f"top_k must be -1, 0 or positive, got {self.top_k}"
+        if not isinstance(self.n, int) or self.n < 1:
+            return f"n must be >= 1, got {self.n}"
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            return f"best_of must be >= n ({self.n}), got {self.best_of}"
         return None

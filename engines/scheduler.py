@@ -11,8 +11,9 @@ The paged policy follows vLLM V1: there are no prefill/decode phases, each reque
 ``num_computed_tokens`` and each step fills one token budget (``max_num_batched_tokens``), running
 requests first, then waiting ones, at most ``max_num_seqs`` requests. A prompt larger than what is
 left of the budget is split across steps (chunked prefill). When a block cannot be allocated, the most
-recently admitted running request is preempted by recompute: its blocks are freed and it goes back
-to the head of ``waiting``.
+recently admitted running request is preempted: by recompute (its blocks are freed and it goes back to
+the head of ``waiting``) or by swap (its blocks are copied to a CPU swap pool and it waits in
+``swapped``). With prefix caching a waiting request starts after its longest cached prefix.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class ScheduledSeq:
     sample: bool
     sampling_params: SamplingParams
     is_padding: bool = False
+    # issue 5: parallel sampling: child sequences to sample from this row's logits too (and their params)
+    fork_ids: list[str] = field(default_factory=list)
+    fork_params: list[SamplingParams] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +76,15 @@ class SchedulerOutput:
     kv_stats: KVStats | None = None
     num_running: int = 0
     num_waiting: int = 0
+    # issue 5: swap preemption and copy-on-write (block copies the executor runs before the forward pass,
+    # in this order: swap out, swap in, copy), preemptions by mode, prefix-cache lookups of admissions
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
+    num_preempted_swap: int = 0
+    num_swapped: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -88,6 +101,17 @@ class StepResult:
 
     sampled: dict[str, int]
     duration: float
+    swap_time: float = 0.0  # issue 5: seconds of the step spent copying swapped blocks (included in duration)
+    logprobs: dict[str, float] = field(default_factory=dict)  # issue 5: log p of sampled tokens (best_of)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling parameters of parallel-sampling child ``index`` (1..): one sequence each, and a seed
+    offset by ``index`` so seeded children do not repeat the parent's samples."""
+    import dataclasses
+
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
 
 
 class Scheduler:
@@ -103,6 +127,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_preemptions_swap = 0  # issue 5 (the rest of num_preemptions are by recompute)
 
     # -- interface ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
@@ -191,16 +216,29 @@ class Scheduler:
 
 
 class PagedScheduler(Scheduler):
-    """Continuous batching over a paged KV cache (vLLM V1-style token budget, recompute preemption).
+    """Continuous batching over a paged KV cache (vLLM V1-style token budget).
+
+    Each step: running requests first (preempting the newest when a block cannot be allocated), then,
+    if nothing was preempted, swapped-out requests are swapped back in, then waiting requests are
+    admitted (each first takes its longest cached prefix when prefix caching is on).
 
     Args:
-        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``.
-        kv: the paged KV cache manager.
+        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, and the issue-5 knobs
+            ``enable_prefix_caching``, ``enable_chunked_prefill``, ``long_prefill_token_threshold``,
+            ``preemption_mode``.
+        kv: the paged KV cache manager (``build_scheduler`` gives it ``enable_caching`` from the config).
+
+    Raises:
+        ValueError: a bad issue-5 knob (see ``SchedulerConfig.validate``).
     """
 
     def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
         super().__init__(config)
+        bad = config.validate()
+        if bad:
+            raise ValueError(bad)
         self.kv = kv
+        self.swapped: deque[Request] = deque()
 
     def validate(self, request: Request) -> str | None:
         reason = super().validate(request)
@@ -209,67 +247,123 @@ class PagedScheduler(Scheduler):
                 f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) "
                 f"exceeds the whole KV pool ({self.kv.num_blocks * self.kv.block_size} tokens)"
             )
+        if (reason is None and not self.config.enable_chunked_prefill
+                and request.max_total_tokens > self.config.max_num_batched_tokens):
+            reason = (
+                f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) exceeds "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) with chunked prefill off"
+            )
         return reason
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for ``req`` this step (0 = it must wait): the rest of its tokens, capped by
+        ``long_prefill_token_threshold`` and the budget; without chunked prefill all or nothing."""
+        n = req.num_tokens_total - req.num_computed_tokens
+        if not self.config.enable_chunked_prefill:
+            return n if n <= budget else 0
+        cap = self.config.long_prefill_token_threshold
+        if cap and n > cap:
+            n = cap
+        return min(n, budget)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        preempted: list[str] = []
+        out = SchedulerOutput(seqs=seqs)
+        preempted = out.preempted_ids
 
         idx = 0
         while idx < len(self.running) and budget > 0:
             req = self.running[idx]
-            n = min(req.num_tokens_total - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, n, preempted):
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                idx += 1
+                continue
+            if not self._allocate_or_preempt(req, n, out):
                 break
             seqs.append(self._seq(req, n))
             budget -= n
             idx += 1
 
-        # Admit waiting requests only when nothing was preempted in this step (as vLLM V1 does).
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens_total - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+        # Swap in, then admit waiting requests, only when nothing was preempted in this step (as vLLM does).
+        while not preempted and self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
                 break
+            mapping = self.kv.swap_in(req, n)
+            if mapping is None:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(mapping)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._seq(req, n))
+            budget -= n
+
+        while (not preempted and not self.swapped and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            req.num_computed_tokens += num_hit  # provisionally, to size the new tokens
+            n = self._num_new_tokens(req, budget)
+            req.num_computed_tokens -= num_hit
+            if n == 0 or not self.kv.allocate_slots(req, n, hit_blocks):
+                break
+            self.kv.record_prefix_query(req, num_hit)
+            if self.kv.enable_caching and not req.num_preemptions:
+                out.prefix_cache_queries += req.num_tokens_total
+                out.prefix_cache_hits += num_hit
+            req.num_computed_tokens += num_hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             seqs.append(self._seq(req, n))
             budget -= n
 
-        return SchedulerOutput(
-            seqs=seqs,
-            preempted_ids=preempted,
-            kv_stats=self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding}),
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-        )
+        out.blocks_to_copy.extend(self.kv.pending_copies)
+        self.kv.pending_copies.clear()
+        out.kv_stats = self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding})
+        out.num_running, out.num_waiting, out.num_swapped = len(self.running), len(self.waiting), len(self.swapped)
+        return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for ``n`` tokens of ``req``, preempting the newest running requests as needed.
 
         Returns False if ``req`` itself had to be preempted.
         """
         while not self.kv.allocate_slots(req, n):
             victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
+            self._preempt(victim, out)
+            out.preempted_ids.append(victim.request_id)
             if victim is req:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+    def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and out is not None and self.kv.can_swap_out(req):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            out.num_preempted_swap += 1
+            self.num_preemptions_swap += 1
+            self.swapped.appendleft(req)
+            return
+        # recompute (also the fallback when the swap pool is full)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
         self.waiting.appendleft(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and req in self.swapped:
+            self.swapped.remove(req)
+        return super().finish_request(request_id, status, stop_reason)
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
@@ -277,6 +371,51 @@ class PagedScheduler(Scheduler):
             sample=start + n == req.num_tokens_total,
             sampling_params=req.sampling_params,
         )
+        if seq.sample and not req.output_token_ids and req.fork_ids:
+            seq.fork_ids = req.fork_ids
+            seq.fork_params = [child_params(req.sampling_params, i) for i in range(1, len(seq.fork_ids) + 1)]
+        return seq
+
+    # -- parallel sampling (issue 5) ---------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """As ``Scheduler.update``, and fork parallel-sampling children off a request whose first token
+        was sampled in this step: each child shares the parent's blocks and starts with its own token."""
+        children: list[Request] = []
+        for seq in output.seqs:
+            if not seq.fork_ids or any(c not in result.sampled for c in seq.fork_ids):
+                continue
+            parent = self.requests.get(seq.request_id)
+            if parent is None or parent.is_finished or parent.forked:
+                continue
+            parent.forked = True
+            for i, (cid, sp) in enumerate(zip(seq.fork_ids, seq.fork_params), 1):
+                child = Request(cid, parent.prompt_token_ids, sp, arrival_time=parent.arrival_time,
+                                prompt=parent.prompt, eos_token_id=parent.eos_token_id, parent_id=parent.request_id,
+                                seq_index=i, forked=True, cache_salt=parent.cache_salt)
+                child.first_scheduled_time = parent.first_scheduled_time
+                child.num_computed_tokens = seq.start_pos + seq.num_tokens
+                self.kv.fork(parent, child)
+                child.status = RequestStatus.RUNNING
+                self.requests[cid] = child
+                self.running.append(child)
+                tok = result.sampled[cid]
+                child.append_output(tok)
+                child.cumulative_logprob += result.logprobs.get(cid, 0.0)
+                children.append(child)
+        for seq in output.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and seq.sample and seq.request_id in result.logprobs:
+                req.cumulative_logprob += result.logprobs[seq.request_id]
+        finished = super().update(output, result)
+        for child in children:
+            tok = child.output_token_ids[-1]
+            if not child.sampling_params.ignore_eos and child.eos_token_id is not None and tok == child.eos_token_id:
+                self.finish_request(child.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
+                finished.append(child)
+            elif child.num_output_tokens >= child.sampling_params.max_tokens:
+                self.finish_request(child.request_id, RequestStatus.FINISHED_LENGTH)
+                finished.append(child)
+        return finished
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

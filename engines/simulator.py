@@ -16,6 +16,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from engines.config import DEFAULT_SWAP_BANDWIDTH
 from engines.cost_model import CostModel
 from engines.llm_engine import LLMEngine, RequestOutput
 from engines.request import Request
@@ -37,19 +38,34 @@ class VirtualClock:
 class CostModelExecutor:
     """Executor that predicts instead of computing.
 
+    Only the tokens a step computes are charged: a prefix-cache hit shortens the scheduled chunk
+    (``ScheduledSeq.token_ids``), so the cost model sees fewer tokens, while attention to the cached prefix
+    is still charged through ``start_pos``. Swapped blocks cost ``bytes / swap_bandwidth_bytes_per_s``.
+
     Args:
         cost_model: predicts step seconds from the scheduled batch.
         clock: the virtual clock, advanced by each step's predicted duration.
+        block_bytes: bytes of one KV block over all layers (K and V), for swap traffic.
+        swap_bandwidth_bytes_per_s: host-device copy bandwidth charged for swaps (default 32e9,
+            PCIe 4.0 x16 one direction).
     """
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock) -> None:
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_bytes: int = 0,
+                 swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH) -> None:
         self.cost_model, self.clock = cost_model, clock
+        self.block_bytes = block_bytes
+        self.swap_bandwidth = swap_bandwidth_bytes_per_s
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        dt = self.cost_model.predict(out.seqs)
+        n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        swap_time = n_swap * self.block_bytes / self.swap_bandwidth if n_swap else 0.0
+        dt = self.cost_model.predict(out.seqs) + swap_time
         self.clock.now += dt
         sampled = {s.request_id: PLACEHOLDER_TOKEN for s in out.seqs if s.sample and not s.is_padding}
-        return StepResult(sampled, dt)
+        for s in out.seqs:
+            if s.sample:
+                sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
+        return StepResult(sampled, dt, swap_time)
 
     def release(self, request_id: str) -> None:
         pass
@@ -77,23 +93,35 @@ class StepEndEvent(Event):
 
 def build_sim_engine(policy: str, model_config, cost_model: CostModel, block_size: int = 16,
                      kv_cache_tokens: int | None = None, kv_cache_bytes: int | None = None, dtype_bytes: int = 4,
+                     swap_space_bytes: int = 0, swap_bandwidth_bytes_per_s: float | None = None,
                      **sched_knobs) -> LLMEngine:
     """A simulated engine with the same knobs as the real one (``policy`` = ``paged`` or ``static``;
-    ``sched_knobs`` are ``SchedulerConfig`` fields; ``max_model_len`` defaults to the model's)."""
+    ``sched_knobs`` are ``SchedulerConfig`` fields; ``max_model_len`` defaults to the model's).
+    ``swap_space_bytes`` sizes the CPU swap pool; swaps are charged at ``swap_bandwidth_bytes_per_s``.
+
+    Raises:
+        ValueError: a bad knob.
+    """
     from engines.config import CacheConfig, SchedulerConfig
     from engines.llm_engine import DEFAULT_KV_CACHE_TOKENS, build_scheduler
 
     knobs = {k: v for k, v in sched_knobs.items() if v is not None}
     knobs.setdefault("max_model_len", model_config.max_position_embeddings)
-    cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes)
-    num_blocks = cache.num_blocks(model_config.kv_bytes_per_token(dtype_bytes), DEFAULT_KV_CACHE_TOKENS)
-    return make_sim_engine(build_scheduler(policy, SchedulerConfig(**knobs), num_blocks, block_size), cost_model)
+    cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes, swap_space_bytes=swap_space_bytes or 0)
+    bpt = model_config.kv_bytes_per_token(dtype_bytes)
+    num_blocks = cache.num_blocks(bpt, DEFAULT_KV_CACHE_TOKENS)
+    num_cpu_blocks = cache.num_cpu_blocks(bpt) if policy == "paged" else 0
+    sched = build_scheduler(policy, SchedulerConfig(**knobs), num_blocks, block_size, num_cpu_blocks)
+    return make_sim_engine(sched, cost_model, block_bytes=bpt * block_size,
+                           swap_bandwidth_bytes_per_s=swap_bandwidth_bytes_per_s or DEFAULT_SWAP_BANDWIDTH)
 
 
-def make_sim_engine(scheduler: Scheduler, cost_model: CostModel) -> LLMEngine:
+def make_sim_engine(scheduler: Scheduler, cost_model: CostModel, block_bytes: int = 0,
+                    swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH) -> LLMEngine:
     """An ``LLMEngine`` over ``scheduler`` whose executor is the cost model on a virtual clock."""
     clock = VirtualClock()
-    return LLMEngine(scheduler, CostModelExecutor(cost_model, clock), tokenizer=None, clock=clock)
+    ex = CostModelExecutor(cost_model, clock, block_bytes, swap_bandwidth_bytes_per_s)
+    return LLMEngine(scheduler, ex, tokenizer=None, clock=clock)
 
 
 def simulate(engine: LLMEngine, requests: list[Request]) -> list[RequestOutput]:

@@ -23,6 +23,14 @@ FORMULAS = {
     "kv_breakdown": "time-weighted shares of allocated slots: token_states, reserved (for tokens a request may still produce), internal_frag (allocated slots it can never use), external_frag (gaps between contiguous allocations) (PagedAttention, SOSP 2023, Fig. 2)",
     "kv_usage_mean": "time-weighted mean of slots allocated / pool slots (vllm:kv_cache_usage_perc as a fraction)",
     "percentiles": "numpy.percentile, linear interpolation (as vllm bench serve)",
+    # issue 5
+    "prefix_cache_hit_rate": "prefix_cache_hits / prefix_cache_queries: prompt tokens found in the prefix cache over tokens looked up at first admission (vllm:prefix_cache_hits / vllm:prefix_cache_queries); re-admissions after a recompute preemption are not counted",
+    "prefix_cache_ideal_hit_rate": "the trace's hit rate under an unlimited prefix cache: requests in arrival order, each hits its longest run of leading full blocks some earlier prompt had, at most prompt length - 1 tokens (workbench.prefix_workload.ideal_prefix_hit_rate)",
+    "num_preemptions_recompute": "preemptions that freed the victim's blocks (recomputed later)",
+    "num_preemptions_swap": "preemptions that copied the victim's blocks to the CPU swap pool",
+    "swap_bytes": "KV bytes copied between the device pool and the CPU swap pool, both directions",
+    "swap_time_s": "seconds spent on those copies (measured in the real engine; bytes / swap_bandwidth_bytes_per_s in the simulator)",
+    "kv_shared_saved_mean": "time-weighted mean of KV slots saved by block sharing: sum over held blocks of (ref count - 1) x block_size (slots the same requests would hold without sharing)",
 }
 
 
@@ -104,7 +112,27 @@ def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) 
         "reject_reasons": sorted({o.error for o in rejected if o.error})[:10],
     }
     summary.update(kv_summary(steps))
+    summary.update(issue5_summary(steps))
     return summary
+
+
+def issue5_summary(steps) -> dict:
+    """Prefix-cache, preemption-mode, swap and sharing figures of a run (see ``FORMULAS``)."""
+    q = sum(getattr(s, "prefix_cache_queries", 0) for s in steps)
+    h = sum(getattr(s, "prefix_cache_hits", 0) for s in steps)
+    n_swap = sum(getattr(s, "num_preemptions_swap", 0) for s in steps)
+    w = np.array([s.duration for s in steps], dtype=float)
+    saved = np.array([getattr(s, "kv_shared_saved", 0) for s in steps], dtype=float)
+    return {
+        "prefix_cache_queries": int(q),
+        "prefix_cache_hits": int(h),
+        "prefix_cache_hit_rate": h / q if q else 0.0,
+        "num_preemptions_recompute": int(sum(s.num_preemptions for s in steps) - n_swap),
+        "num_preemptions_swap": int(n_swap),
+        "swap_bytes": int(sum(getattr(s, "swap_bytes", 0) for s in steps)),
+        "swap_time_s": float(sum(getattr(s, "swap_time", 0.0) for s in steps)),
+        "kv_shared_saved_mean": float((w * saved).sum() / w.sum()) if w.sum() > 0 else 0.0,
+    }
 
 
 def _meets(m: RequestMetrics, slo: dict) -> bool:

@@ -115,7 +115,51 @@ def make_plots(results: dict, frames: dict[str, tuple[pd.DataFrame, pd.DataFrame
         a.grid(alpha=0.3)
     a1.legend(fontsize=7)
     plots["batch_preemptions.png"] = _png(fig)
+    if any(summ[n].get("prefix_cache_hits", 0) or summ[n].get("num_preemptions_swap", 0)
+           or summ[n].get("kv_shared_saved_mean", 0) for n in names):  # issue 5 panel, when there is something to show
+        plots["memory_management.png"] = memory_plot(names, summ)
     return plots
+
+
+def memory_plot(names: list[str], summ: dict) -> bytes:
+    """Issue 5 panels: prefix-cache hit rate (measured vs the trace's ideal), preemptions by mode, swap
+    traffic, and KV memory saved by block sharing."""
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
+    x = np.arange(len(names))
+    hit = [summ[n].get("prefix_cache_hit_rate", 0.0) for n in names]
+    ideal = [summ[n].get("prefix_cache_ideal_hit_rate", 0.0) for n in names]
+    axes[0].bar(x - 0.2, hit, 0.4, label="measured")
+    axes[0].bar(x + 0.2, ideal, 0.4, label="trace ideal")
+    axes[0].set_title("Prefix cache hit rate")
+    axes[0].legend(fontsize=7)
+    rec = np.array([summ[n].get("num_preemptions_recompute", summ[n]["num_preemptions"]) for n in names])
+    swp = np.array([summ[n].get("num_preemptions_swap", 0) for n in names])
+    axes[1].bar(x, rec, label="recompute", color="tab:red")
+    axes[1].bar(x, swp, bottom=rec, label="swap", color="tab:purple")
+    axes[1].set_title("Preemptions by mode")
+    axes[1].legend(fontsize=7)
+    axes[2].bar(x, [summ[n].get("swap_bytes", 0) / 2**20 for n in names], color="tab:purple")
+    axes[2].set_title("Swap traffic (MiB)")
+    axes[3].bar(x, [summ[n].get("kv_shared_saved_mean", 0.0) for n in names], color="tab:green")
+    axes[3].set_title("KV slots saved by sharing (mean)")
+    for a in axes:
+        a.set_xticks(x, names, rotation=20, fontsize=7)
+    return _png(fig)
+
+
+def memory_rows(results: dict) -> tuple[list[str], list[list]]:
+    """Issue 5 table: prefix caching, preemptions by mode, swap traffic, sharing."""
+    headers = ["engine", "prefix cache queries", "hits", "hit rate", "trace ideal hit rate", "preemptions recompute",
+               "preemptions swap", "swap MiB", "swap time s", "KV slots saved by sharing (mean)"]
+    rows = []
+    for n, e in results["engines"].items():
+        s = e["summary"]
+        ideal = s.get("prefix_cache_ideal_hit_rate")
+        rows.append([n, s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0),
+                     f"{s.get('prefix_cache_hit_rate', 0.0):.1%}", f"{ideal:.1%}" if ideal is not None else "",
+                     s.get("num_preemptions_recompute", s["num_preemptions"]), s.get("num_preemptions_swap", 0),
+                     s.get("swap_bytes", 0) / 2**20, s.get("swap_time_s", 0.0), s.get("kv_shared_saved_mean", 0.0)])
+    return headers, rows
 
 
 def _table(headers: list[str], rows: list[list]) -> str:
@@ -173,6 +217,7 @@ figure{{display:inline-block;margin:1em}}img{{max-width:100%}}</style></head><bo
 model {html.escape(sc['model'])} &middot; {html.escape(results['created'])}</p>
 <h2>Summary</h2>{_table(*summary_rows(results))}
 <h2>Simulator vs real</h2>{sim}
+<h2>Memory management</h2>{_table(*memory_rows(results))}
 <h2>Plots</h2>{imgs}
 <h2>Formulas</h2><ul>{formulas}</ul>
 <script>/* render self-check, read by the tests through a headless browser */

@@ -14,6 +14,7 @@ from typing import Callable
 from engines.config import ModelConfig
 from engines.cost_model import CostModel
 from workbench.metrics import FORMULAS, relative_error, summarize
+from workbench.prefix_workload import ideal_prefix_hit_rate
 from workbench.replay import make_requests, replay_realtime, replay_simulated
 from workbench.report import make_plots, requests_frame, steps_frame, write_html
 from workbench.scenario import EngineSpec, Scenario, load_scenario_trace, scenario_hash
@@ -36,7 +37,11 @@ def load_cost_model(scenario: Scenario, spec: EngineSpec) -> CostModel:
 def _knobs(spec: EngineSpec) -> dict:
     return dict(block_size=spec.block_size, kv_cache_tokens=spec.kv_cache_tokens, kv_cache_bytes=spec.kv_cache_bytes,
                 max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_model_len=spec.max_model_len, max_batch_size=spec.max_batch_size, reservation=spec.reservation)
+                max_model_len=spec.max_model_len, max_batch_size=spec.max_batch_size, reservation=spec.reservation,
+                # issue 5
+                enable_prefix_caching=spec.enable_prefix_caching, enable_chunked_prefill=spec.enable_chunked_prefill,
+                long_prefill_token_threshold=spec.long_prefill_token_threshold,
+                preemption_mode=spec.preemption_mode, swap_space_bytes=spec.swap_space_bytes)
 
 
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
@@ -48,7 +53,8 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
 
         dtype_bytes = 2 if spec.dtype == "bfloat16" else 4
         engine = build_sim_engine(spec.policy or "paged", model_cfg, load_cost_model(scenario, spec),
-                                  dtype_bytes=dtype_bytes, **_knobs(spec))
+                                  dtype_bytes=dtype_bytes, swap_bandwidth_bytes_per_s=spec.swap_bandwidth_bytes_per_s,
+                                  **_knobs(spec))
         return replay_simulated(engine, requests, on_output), engine.steps
     from engines.llm_engine import LLM
 
@@ -74,13 +80,17 @@ def warm_up(llm) -> None:
 
 
 def add_sim_errors(results: dict) -> None:
-    """Give each sim engine ``sim_error`` against the first real engine of the same policy in this run."""
+    """Give each sim engine ``sim_error`` against its real counterpart in this run: the real engine named
+    like it without the ``sim-`` prefix (``sim-paged-nocache`` -> ``paged-nocache``) when there is one of
+    the same policy, else the first real engine of the same policy."""
     engines = results["engines"]
     for name, e in engines.items():
         if e["kind"] != "sim":
             continue
         policy = e["config"].get("policy") or "paged"
-        real = next((n for n, r in engines.items() if r["kind"] == policy), None)
+        twin = engines.get(name.removeprefix("sim-"))
+        real = name.removeprefix("sim-") if twin is not None and twin["kind"] == policy else None
+        real = real or next((n for n, r in engines.items() if r["kind"] == policy), None)
         if real is None:
             continue
         s, r = e["summary"], engines[real]["summary"]
@@ -136,6 +146,9 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         cb = progress(spec.name, spec.kind, len(trace)) if progress else None
         outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb)
         summary = summarize(outs, steps, len(trace), slo)
+        if (spec.policy or spec.kind) == "paged":  # issue 5: the trace's reuse under an unlimited cache
+            ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
+            summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
         cfg = spec.model_dump(mode="json", exclude_none=True)
         results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary}
         rf, sf = requests_frame(outs), steps_frame(steps)

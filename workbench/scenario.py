@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from workbench.traces import BUILTIN_TRACE_DIR, FORMATS, TraceRequest, apply_transforms, ensure_prompt_ids, load_trace
 
@@ -51,9 +52,9 @@ class _Model(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bools(cls, v: Any) -> Any:
-        # no field is a boolean: reject YAML true/false/yes/no instead of reading them as 1/0
-        if isinstance(v, bool):
+    def _no_bools(cls, v: Any, info: ValidationInfo) -> Any:
+        # only bool fields take booleans: reject YAML true/false/yes/no instead of reading them as 1/0
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation is not bool:
             raise ValueError(f"expected a value of this field's type, got a boolean ({str(v).lower()})")
         return v
 
@@ -177,6 +178,12 @@ class EngineSpec(_Model):
         cost_model: sim only: a profile JSON (relative to the scenario's folder) or ``builtin:cpu`` (default).
         test_step_delay_s: TEST-ONLY, real engines only: seconds of busy work added to every step, to slow
             an engine deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
+        enable_prefix_caching: automatic prefix caching (default true; false turns it off).
+        enable_chunked_prefill: split prompts across steps (default true).
+        long_prefill_token_threshold: most prompt tokens of one request per step (0 = no cap).
+        preemption_mode: ``recompute`` (default) or ``swap``.
+        swap_space_bytes: CPU swap pool for swap preemption, bytes (0 = none: swap falls back to recompute).
+        swap_bandwidth_bytes_per_s: sim only: swap copy bandwidth charged (default 32e9, PCIe 4.0 x16).
     """
 
     name: str = Field(min_length=1, max_length=64)
@@ -194,6 +201,13 @@ class EngineSpec(_Model):
     cost_model: str | None = None
     # --- issue 4 (sweeps/capacity/compare/gate): test-only slowdown knob ---
     test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    # issue 5: prefix caching, chunked prefill, preemption modes (paged policy; sim too)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: int = Field(0, ge=0)
+    swap_bandwidth_bytes_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check_test_knobs(self) -> "EngineSpec":
@@ -221,7 +235,7 @@ class EngineSpec(_Model):
                 raise ValueError(f"cost_model {self.cost_model!r} is unknown; builtin cost models: "
                                  f"{', '.join(BUILTIN_COST_MODELS)} (or a profile JSON path)")
         else:
-            for name in ("policy", "cost_model"):
+            for name in ("policy", "cost_model", "swap_bandwidth_bytes_per_s"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
         return self
