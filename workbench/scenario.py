@@ -474,12 +474,13 @@ def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None,
 
 
 def scenario_hash(scenario: Scenario) -> str:
-    """First 16 hex digits of the sha256 of the scenario's canonical JSON (sorted keys, defaults filled).
+    """First 16 hex digits of the sha256 of the scenario's canonical JSON (sorted keys, fields left at
+    their defaults omitted, so that adding a schema field with a default keeps existing hashes).
 
     Paths hash as written (not resolved), so a scenario keeps its hash when the project moves. Test-only
     knobs (``test_step_delay_s``) are left out: a deliberately slowed run is still the same scenario.
     """
-    data = scenario.model_dump(mode="json")
+    data = scenario.model_dump(mode="json", exclude_defaults=True)
     for eng in data.get("engines", []):  # issue 4: test-only knobs do not change what a scenario is
         eng.pop("test_step_delay_s", None)
     canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
