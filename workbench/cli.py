@@ -235,6 +235,65 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
     typer.echo(out)
 
 
+@app.command("kv-calc")
+def kv_calc_cmd(model: str = typer.Option(..., "--model", help="catalogue model, e.g. llama-3.1-70b"),
+                dtype: str = typer.Option("bf16", "--dtype", help="KV cache dtype: bf16 | fp8"),
+                tokens: int = typer.Option(2048, "--tokens", help="tokens per request (prompt + output)"),
+                hardware: Optional[str] = typer.Option(None, "--hardware", help="catalogue GPU, e.g. h100-sxm"),
+                tp: int = typer.Option(1, "--tp", help="tensor-parallel GPUs"),
+                gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
+                weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="bf16 | fp8 | awq | gptq | int4"),
+                block_size: int = typer.Option(16, "--block-size"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """KV bytes per token and per request; with --hardware: whether the weights fit, KV blocks and
+    concurrent requests of --tokens tokens (issue 7)."""
+    from engines.catalog import CatalogError
+    from workbench.kv_calc import format_kv_calc, kv_calc
+
+    if tokens < 1 or block_size < 1:
+        fail("--tokens and --block-size must be >= 1")
+    try:
+        r = kv_calc(model, dtype, tokens, hardware, tp, gpu_memory_utilization, weight_dtype, block_size)
+    except CatalogError as e:
+        fail(str(e))
+    typer.echo(json.dumps(r, indent=2) if as_json else "\n".join(format_kv_calc(r)))
+
+
+@app.command("spec-sweep")
+def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = typer.Option("qwen2.5-0.5b"),
+                   hardware: str = typer.Option("h100-sxm"), tp: int = typer.Option(4),
+                   k: int = typer.Option(5, "--k", help="num_speculative_tokens"),
+                   acceptance: float = typer.Option(0.7, "--acceptance", help="per-token acceptance rate"),
+                   batches: str = typer.Option("1,2,4,8,16,32,64,128", help="comma-separated batch sizes"),
+                   prompt_tokens: int = typer.Option(512), output_tokens: int = typer.Option(256),
+                   out: str = typer.Option("reports/runs/spec-decode", "--out")) -> None:
+    """Speculative-decoding what-if: mean latency with and without a draft model over batch sizes;
+    writes spec_sweep.csv and spec_sweep.png (issue 7)."""
+    from pathlib import Path
+
+    from engines.catalog import CatalogError
+    from workbench.spec_sweep import spec_sweep, write_sweep
+
+    try:
+        bs = [int(x) for x in batches.split(",") if x.strip()]
+        if not bs or min(bs) < 1:
+            raise ValueError
+    except ValueError:
+        fail(f"--batches must be comma-separated positive integers, got {batches!r}")
+    try:
+        rows = spec_sweep(model, draft, hardware, tp, k, acceptance, bs, prompt_tokens, output_tokens)
+    except CatalogError as e:
+        fail(str(e))
+    title = (f"{model} on {tp} x {hardware}, draft {draft}, k={k}, acceptance {acceptance}, "
+             f"prompt {prompt_tokens}, output {output_tokens}")
+    csv, png = write_sweep(rows, Path(out), title)
+    typer.echo(title)
+    typer.echo("batch  e2el_s  e2el_spec_s  speedup")
+    for r in rows:
+        typer.echo(f"{r['batch']:5d}  {r['e2el_s']:6.2f}  {r['e2el_spec_s']:11.2f}  {r['speedup']:6.2f}x")
+    typer.echo(f"{csv}\n{png}")
+
+
 def main() -> None:  # pragma: no cover
     app()
 
