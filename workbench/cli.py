@@ -294,6 +294,35 @@ def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = type
     typer.echo(f"{csv}\n{png}")
 
 
+@app.command("paper-check")
+def paper_check_cmd(scenario: str = typer.Argument(..., help="scenario YAML with sim engines"),
+                    rates: str = typer.Option("0.25,0.5,0.75,1,1.25,1.5,1.75,2,2.5,3", help="comma-separated req/s"),
+                    threshold: float = typer.Option(1.0, help="normalized latency limit (s/token)"),
+                    out: str = typer.Option("reports/runs/paper-check", "--out")) -> None:
+    """Sweep request rates on the scenario's sim engines; print the rate each sustains before normalized
+    latency exceeds --threshold, and the ratios to the first engine (issue 7)."""
+    from pathlib import Path
+
+    from workbench.paper_check import sustained_rates, sweep, write_outputs
+    from workbench.scenario import ScenarioError, load_scenario
+
+    try:
+        sc = load_scenario(scenario)
+        rs = sorted(float(x) for x in rates.split(",") if x.strip())
+        rows = sweep(sc, rs, lambda r: typer.echo(f"rate {r['rate']:g}  {r['engine']:12s}  "
+                                                  f"{r['normalized_latency_s_per_token']:.3f} s/token", err=True))
+    except (ScenarioError, ValueError) as e:
+        fail(str(e))
+    sus = sustained_rates(rows, threshold)
+    write_outputs(rows, sus, threshold, Path(out), f"{sc.name}: normalized latency vs rate")
+    first = next(iter(sus))
+    typer.echo(f"sustained rate (normalized latency <= {threshold} s/token):")
+    for name, v in sus.items():
+        ratio = f"{sus[first] / v:.2f}x" if v and sus[first] else "-"
+        typer.echo(f"  {name:12s} {v if v is None else round(v, 3)} req/s   {first} / {name}: {ratio}")
+    typer.echo(str(out))
+
+
 def main() -> None:  # pragma: no cover
     app()
 
