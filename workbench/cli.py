@@ -296,8 +296,8 @@ def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = type
 
 @app.command("paper-check")
 def paper_check_cmd(scenario: str = typer.Argument(..., help="scenario YAML with sim engines"),
-                    rates: str = typer.Option("0.25,0.5,0.75,1,1.25,1.5,1.75,2,2.5,3", help="comma-separated req/s"),
-                    threshold: float = typer.Option(1.0, help="normalized latency limit (s/token)"),
+                    rates: str = typer.Option("0.5,1,1.25,1.5,1.75,2,2.5,3,3.5,4,5", help="comma-separated req/s"),
+                    threshold: float = typer.Option(0.1, help="normalized latency limit (s/token)"),
                     out: str = typer.Option("reports/runs/paper-check", "--out")) -> None:
     """Sweep request rates on the scenario's sim engines; print the rate each sustains before normalized
     latency exceeds --threshold, and the ratios to the first engine (issue 7)."""
