@@ -194,3 +194,21 @@ def test_whatif_sim_engine_from_a_scenario():
     eng = build_whatif_sim(sc, sc.engines[0], None, lambda: None)
     assert eng.scheduler.kv.num_blocks == memory_plan(get_model("opt-13b"), get_hardware("a100-40gb")).num_blocks
     assert eng.scheduler.config.max_model_len == 2048
+
+
+def test_paper_check_sweep_and_sustained_rate():
+    from pathlib import Path
+
+    from workbench.paper_check import sustained_rates, sweep
+    from workbench.scenario import load_scenario
+
+    sc = load_scenario(Path(__file__).parents[1] / "scenarios/paper/pagedattention_opt13b.yaml",
+                       overrides={"trace.synthetic.num_requests": 40})
+    rows = sweep(sc, [0.5, 8.0])
+    assert {r["engine"] for r in rows} == {"vllm", "orca-oracle", "orca-pow2", "orca-max"}
+    assert all(r["finished"] == 40 and r["kv_blocks"] == 880 for r in rows)
+    by = {(r["rate"], r["engine"]): r["normalized_latency_s_per_token"] for r in rows}
+    assert by[(8.0, "orca-max")] > by[(8.0, "vllm")]
+    pts = [{"engine": "a", "rate": 1, "normalized_latency_s_per_token": 0.05},
+           {"engine": "a", "rate": 2, "normalized_latency_s_per_token": 0.15}]
+    assert sustained_rates(pts, 0.1) == {"a": pytest.approx(1.5)}
