@@ -72,20 +72,34 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpp")
+ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
 
 
 def _pick_decode_attention(backend: str, dtype: torch.dtype):
     """Decode attention implementation: ``torch`` (reference, any dtype), ``cpp`` (compiled CPU kernel,
-    float32) or ``auto`` (cpp when float32 and it builds, else torch).
+    float32), ``triton`` (``kernels.triton_attention``; interpreter on CPU) or ``auto`` (cpp when float32
+    and it builds, else torch; on a machine with CUDA and Triton, CUDA tensors go to the Triton kernel).
 
     Raises:
-        ValueError: unknown backend, or ``cpp`` requested but unavailable.
+        ValueError: unknown backend, or ``cpp``/``triton`` requested but unavailable.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
     if backend == "torch":
         return paged_attention_decode
+    # -- issue 7: Triton kernels
+    if backend == "triton":
+        return _triton_ops(required=True).paged_attention_decode
+    cpu_fn = _pick_cpu_decode_attention(backend, dtype)
+    if backend == "auto" and torch.cuda.is_available():
+        ops = _triton_ops()
+        if ops is not None:
+            return _by_device(ops.paged_attention_decode, cpu_fn)
+    return cpu_fn
+
+
+def _pick_cpu_decode_attention(backend: str, dtype: torch.dtype):
+    """``cpp`` or ``auto`` on CPU tensors (see ``_pick_decode_attention``)."""
     from kernels import cpu_ops
 
     if dtype == torch.float32 and cpu_ops.available():
@@ -93,6 +107,31 @@ def _pick_decode_attention(backend: str, dtype: torch.dtype):
     if backend == "cpp":
         raise ValueError("attention_backend 'cpp' needs float32 and a C++ compiler")
     return paged_attention_decode
+
+
+def _cpp_decode():
+    from kernels import cpu_ops
+
+    return cpu_ops.paged_attention_decode
+
+
+def _triton_ops(required: bool = False):
+    """``kernels.triton_attention``, or None when Triton is not installed (ValueError if ``required``)."""
+    try:
+        from kernels import triton_attention
+    except ImportError as e:
+        if required:
+            raise ValueError(f"attention_backend 'triton' needs the triton package ({e})") from None
+        return None
+    return triton_attention
+
+
+def _by_device(cuda_fn, cpu_fn):
+    """Attention that calls ``cuda_fn`` for CUDA tensors and ``cpu_fn`` otherwise."""
+    def attend(q, *args, **kwargs):
+        return (cuda_fn if q.is_cuda else cpu_fn)(q, *args, **kwargs)
+    attend.cpu_fn = cpu_fn
+    return attend
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -123,7 +162,11 @@ class LlamaModel:
                  attention_backend: str = "auto"):
         self.cfg, self.dtype = cfg, dtype
         self.decode_attention = _pick_decode_attention(attention_backend, dtype)
-        self.fused = self.decode_attention is not paged_attention_decode  # compiled CPU ops available
+        # compiled CPU ops available (the CPU choice is the cpp kernel)
+        self.fused = getattr(self.decode_attention, "cpu_fn", self.decode_attention) is _cpp_decode()
+        # issue 7: chunked-prefill attention over cached context by Triton for CUDA tensors (or when asked)
+        self.triton_ops = _triton_ops() if attention_backend == "triton" or torch.cuda.is_available() else None
+        self.triton_prefill_always = attention_backend == "triton"
         w = {k: v.to(dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
@@ -249,7 +292,10 @@ class LlamaModel:
             if start == 0:  # nothing cached before: attend to this step's own K/V
                 out[sl] = causal_attention(q[sl], k[sl], v[sl], 0, self.scale)
             else:
-                out[sl] = paged_attention_prefill(q[sl], kc, vc, table, start, self.scale)
+                prefill = paged_attention_prefill
+                if self.triton_ops is not None and (q.is_cuda or self.triton_prefill_always):
+                    prefill = self.triton_ops.paged_attention_prefill
+                out[sl] = prefill(q[sl], kc, vc, table, start, self.scale)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

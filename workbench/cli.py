@@ -303,6 +303,92 @@ def gate(results: List[str] = typer.Argument(None, help="results.json files or r
     code = gate_command(results or [], baseline, max_drop, max_rise, max_change, ratio, scenario, repeat, set_, out,
                         update_baseline, force, show_all)
     raise typer.Exit(code)
+@app.command("kv-calc")
+def kv_calc_cmd(model: str = typer.Option(..., "--model", help="catalogue model, e.g. llama-3.1-70b"),
+                dtype: str = typer.Option("bf16", "--dtype", help="KV cache dtype: bf16 | fp8"),
+                tokens: int = typer.Option(2048, "--tokens", help="tokens per request (prompt + output)"),
+                hardware: Optional[str] = typer.Option(None, "--hardware", help="catalogue GPU, e.g. h100-sxm"),
+                tp: int = typer.Option(1, "--tp", help="tensor-parallel GPUs"),
+                gpu_memory_utilization: float = typer.Option(0.9, "--gpu-memory-utilization"),
+                weight_dtype: str = typer.Option("bf16", "--weight-dtype", help="bf16 | fp8 | awq | gptq | int4"),
+                block_size: int = typer.Option(16, "--block-size"),
+                as_json: bool = typer.Option(False, "--json")) -> None:
+    """KV bytes per token and per request; with --hardware: whether the weights fit, KV blocks and
+    concurrent requests of --tokens tokens (issue 7)."""
+    from engines.catalog import CatalogError
+    from workbench.kv_calc import format_kv_calc, kv_calc
+
+    if tokens < 1 or block_size < 1:
+        fail("--tokens and --block-size must be >= 1")
+    try:
+        r = kv_calc(model, dtype, tokens, hardware, tp, gpu_memory_utilization, weight_dtype, block_size)
+    except CatalogError as e:
+        fail(str(e))
+    typer.echo(json.dumps(r, indent=2) if as_json else "\n".join(format_kv_calc(r)))
+
+
+@app.command("spec-sweep")
+def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = typer.Option("qwen2.5-0.5b"),
+                   hardware: str = typer.Option("h100-sxm"), tp: int = typer.Option(4),
+                   k: int = typer.Option(5, "--k", help="num_speculative_tokens"),
+                   acceptance: float = typer.Option(0.7, "--acceptance", help="per-token acceptance rate"),
+                   batches: str = typer.Option("1,2,4,8,16,32,64,128", help="comma-separated batch sizes"),
+                   prompt_tokens: int = typer.Option(512), output_tokens: int = typer.Option(256),
+                   out: str = typer.Option("reports/runs/spec-decode", "--out")) -> None:
+    """Speculative-decoding what-if: mean latency with and without a draft model over batch sizes;
+    writes spec_sweep.csv and spec_sweep.png (issue 7)."""
+    from pathlib import Path
+
+    from engines.catalog import CatalogError
+    from workbench.spec_sweep import spec_sweep, write_sweep
+
+    try:
+        bs = [int(x) for x in batches.split(",") if x.strip()]
+        if not bs or min(bs) < 1:
+            raise ValueError
+    except ValueError:
+        fail(f"--batches must be comma-separated positive integers, got {batches!r}")
+    try:
+        rows = spec_sweep(model, draft, hardware, tp, k, acceptance, bs, prompt_tokens, output_tokens)
+    except CatalogError as e:
+        fail(str(e))
+    title = (f"{model} on {tp} x {hardware}, draft {draft}, k={k}, acceptance {acceptance}, "
+             f"prompt {prompt_tokens}, output {output_tokens}")
+    csv, png = write_sweep(rows, Path(out), title)
+    typer.echo(title)
+    typer.echo("batch  e2el_s  e2el_spec_s  speedup")
+    for r in rows:
+        typer.echo(f"{r['batch']:5d}  {r['e2el_s']:6.2f}  {r['e2el_spec_s']:11.2f}  {r['speedup']:6.2f}x")
+    typer.echo(f"{csv}\n{png}")
+
+
+@app.command("paper-check")
+def paper_check_cmd(scenario: str = typer.Argument(..., help="scenario YAML with sim engines"),
+                    rates: str = typer.Option("0.5,1,1.25,1.5,1.75,2,2.5,3,3.5,4,5", help="comma-separated req/s"),
+                    threshold: float = typer.Option(0.1, help="normalized latency limit (s/token)"),
+                    out: str = typer.Option("reports/runs/paper-check", "--out")) -> None:
+    """Sweep request rates on the scenario's sim engines; print the rate each sustains before normalized
+    latency exceeds --threshold, and the ratios to the first engine (issue 7)."""
+    from pathlib import Path
+
+    from workbench.paper_check import sustained_rates, sweep, write_outputs
+    from workbench.scenario import ScenarioError, load_scenario
+
+    try:
+        sc = load_scenario(scenario)
+        rs = sorted(float(x) for x in rates.split(",") if x.strip())
+        rows = sweep(sc, rs, lambda r: typer.echo(f"rate {r['rate']:g}  {r['engine']:12s}  "
+                                                  f"{r['normalized_latency_s_per_token']:.3f} s/token", err=True))
+    except (ScenarioError, ValueError) as e:
+        fail(str(e))
+    sus = sustained_rates(rows, threshold)
+    write_outputs(rows, sus, threshold, Path(out), f"{sc.name}: normalized latency vs rate")
+    first = next(iter(sus))
+    typer.echo(f"sustained rate (normalized latency <= {threshold} s/token):")
+    for name, v in sus.items():
+        ratio = f"{sus[first] / v:.2f}x" if v and sus[first] else "-"
+        typer.echo(f"  {name:12s} {v if v is None else round(v, 3)} req/s   {first} / {name}: {ratio}")
+    typer.echo(str(out))
 
 
 def main() -> None:  # pragma: no cover

@@ -48,6 +48,11 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
                on_output: Callable | None = None):
     """Replay the trace on one engine; returns ``(outputs, steps)``."""
     requests = make_requests(trace, eos)
+    if spec.kind == "sim" and (spec.cost_model == "analytic" or spec.policy == "orca"):  # issue 7: GPU what-if
+        from workbench.whatif import build_whatif_sim
+
+        engine = build_whatif_sim(scenario, spec, model_cfg, lambda: load_cost_model(scenario, spec))
+        return replay_simulated(engine, requests, on_output), engine.steps
     if spec.kind == "sim":
         from engines.simulator import build_sim_engine
 

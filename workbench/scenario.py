@@ -175,7 +175,9 @@ class EngineSpec(_Model):
         reservation: static KV reservation ``max``, ``pow2`` or ``oracle``.
         dtype: ``float32`` or ``bfloat16``.
         policy: sim only: the scheduling policy simulated, ``paged`` (default) or ``static``.
-        cost_model: sim only: a profile JSON (relative to the scenario's folder) or ``builtin:cpu`` (default).
+        cost_model: sim only: a profile JSON (relative to the scenario's folder), ``builtin:cpu`` (default)
+            or ``analytic`` (the roofline model of ``engines.analytic_cost_model``; default when
+            ``hardware`` is set).
         test_step_delay_s: TEST-ONLY, real engines only: seconds of busy work added to every step, to slow
             an engine deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
         enable_prefix_caching: automatic prefix caching (default true; false turns it off).
@@ -184,6 +186,12 @@ class EngineSpec(_Model):
         preemption_mode: ``recompute`` (default) or ``swap``.
         swap_space_bytes: CPU swap pool for swap preemption, bytes (0 = none: swap falls back to recompute).
         swap_bandwidth_bytes_per_s: sim only: swap copy bandwidth charged (default 32e9, PCIe 4.0 x16).
+        (issue 7, GPU what-if; sim only) model: catalogue model simulated (default: the scenario's
+            model); hardware: catalogue GPU; tp: tensor-parallel GPUs; weight_dtype: ``bf16``, ``fp8``,
+            ``awq``, ``gptq``, ``int4``; kv_cache_dtype: ``bf16`` or ``fp8``; gpu_memory_utilization:
+            fraction of GPU memory for weights + activations + KV; activation_reserve_gib: override the
+            activation reserve; efficiency: overrides of the cost model's efficiency factors;
+            speculative_model, num_speculative_tokens, spec_acceptance_rate: speculative decoding.
     """
 
     name: str = Field(min_length=1, max_length=64)
@@ -197,7 +205,7 @@ class EngineSpec(_Model):
     max_batch_size: int = Field(64, ge=1)
     reservation: Literal["max", "pow2", "oracle"] = "max"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    policy: Literal["paged", "static"] | None = None
+    policy: Literal["paged", "static", "orca"] | None = None
     cost_model: str | None = None
     # --- issue 4 (sweeps/capacity/compare/gate): test-only slowdown knob ---
     test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -208,6 +216,19 @@ class EngineSpec(_Model):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
     swap_space_bytes: int = Field(0, ge=0)
     swap_bandwidth_bytes_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+
+    # -- issue 7: GPU what-if (catalogue hardware/model, analytic cost model, tp, quantization, spec decode)
+    model: str | None = None
+    hardware: str | None = None
+    tp: int = Field(1, ge=1)
+    weight_dtype: Literal["bf16", "fp8", "awq", "gptq", "int4"] = "bf16"
+    kv_cache_dtype: Literal["bf16", "fp8"] = "bf16"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    activation_reserve_gib: float | None = Field(None, ge=0, allow_inf_nan=False)
+    efficiency: dict[str, float] | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1)
+    spec_acceptance_rate: float | None = Field(None, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _check_test_knobs(self) -> "EngineSpec":
@@ -230,15 +251,57 @@ class EngineSpec(_Model):
             if self.policy is None:
                 self.policy = "paged"
             if self.cost_model is None:
-                self.cost_model = "builtin:cpu"
+                self.cost_model = ANALYTIC if self.hardware else "builtin:cpu"
+            _check_whatif(self)
             if self.cost_model.startswith(BUILTIN_PREFIX) and self.cost_model not in BUILTIN_COST_MODELS:
                 raise ValueError(f"cost_model {self.cost_model!r} is unknown; builtin cost models: "
-                                 f"{', '.join(BUILTIN_COST_MODELS)} (or a profile JSON path)")
+                                 f"{', '.join(BUILTIN_COST_MODELS)} (or analytic, or a profile JSON path)")
         else:
-            for name in ("policy", "cost_model", "swap_bandwidth_bytes_per_s"):
+            for name in ("policy", "cost_model", "swap_bandwidth_bytes_per_s") + WHATIF_FIELDS:
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
+            if self.tp != 1:
+                raise ValueError(f"tp is only for kind sim (kind is {self.kind})")
+            for name in ("weight_dtype", "kv_cache_dtype", "gpu_memory_utilization"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
         return self
+
+
+# -- issue 7: GPU what-if checks of a sim engine
+ANALYTIC = "analytic"
+WHATIF_FIELDS = ("model", "hardware", "activation_reserve_gib", "efficiency", "speculative_model",
+                 "num_speculative_tokens", "spec_acceptance_rate")
+
+
+def _check_whatif(e: EngineSpec) -> None:
+    from engines.analytic_cost_model import Efficiency
+    from engines.catalog import CatalogError, get_hardware, get_model
+
+    analytic = e.cost_model == ANALYTIC
+    try:
+        if e.hardware is not None:
+            get_hardware(e.hardware)
+        if e.model is not None:
+            get_model(e.model)
+        if e.speculative_model is not None:
+            get_model(e.speculative_model)
+        if e.efficiency is not None:
+            Efficiency.default(**e.efficiency)
+    except CatalogError as err:
+        raise ValueError(str(err)) from None
+    if analytic and e.hardware is None:
+        raise ValueError("cost_model analytic needs hardware (a catalogue GPU, e.g. h100-sxm)")
+    if not analytic:
+        for name in ("hardware", "efficiency", "speculative_model"):
+            if getattr(e, name) is not None:
+                raise ValueError(f"{name} needs cost_model analytic (cost_model is {e.cost_model})")
+        if e.tp != 1 or e.weight_dtype != "bf16" or e.kv_cache_dtype != "bf16":
+            raise ValueError("tp, weight_dtype and kv_cache_dtype need cost_model analytic")
+    spec = (e.speculative_model, e.num_speculative_tokens, e.spec_acceptance_rate)
+    if any(v is not None for v in spec) and any(v is None for v in spec):
+        raise ValueError("speculative decoding needs speculative_model, num_speculative_tokens and "
+                         "spec_acceptance_rate together")
 
 
 class SLOSpec(_Model):
@@ -296,7 +359,7 @@ class Scenario(_Model):
 
     def cost_model_path(self, engine: EngineSpec) -> Path | None:
         """A sim engine's profile JSON, resolved; None for a builtin cost model or a non-sim engine."""
-        if engine.cost_model is None or engine.cost_model.startswith(BUILTIN_PREFIX):
+        if engine.cost_model is None or engine.cost_model.startswith(BUILTIN_PREFIX) or engine.cost_model == ANALYTIC:
             return None
         return resolve_path(engine.cost_model, self._base_dir)
 
@@ -416,7 +479,7 @@ def validate_scenario(data: Any, file: str | Path = "<scenario>", text: str | No
         if sc.trace.synthetic is not None:
             checks.append((("trace", "synthetic", "lengths_path"), sc.trace.synthetic.lengths_path))
         for i, eng in enumerate(sc.engines):
-            if eng.cost_model and not eng.cost_model.startswith(BUILTIN_PREFIX):
+            if eng.cost_model and not eng.cost_model.startswith(BUILTIN_PREFIX) and eng.cost_model != ANALYTIC:
                 checks.append((("engines", i, "cost_model"), eng.cost_model))
         for loc, value in checks:
             if value is None:
