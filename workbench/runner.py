@@ -42,6 +42,11 @@ def _knobs(spec: EngineSpec) -> dict:
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
                on_output: Callable | None = None):
     """Replay the trace on one engine; returns ``(outputs, steps)``."""
+    if spec.kind == "openai":  # issue 6: the outputs carry .server_metrics; no engine steps client-side
+        from workbench.openai_replay import replay_openai
+
+        return replay_openai(spec.base_url, spec.model or scenario.model, trace, api_key=openai_api_key(spec),
+                             on_output=on_output, engine_name=spec.name), []
     requests = make_requests(trace, eos)
     if spec.kind == "sim":
         from engines.simulator import build_sim_engine
@@ -59,6 +64,31 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     finally:
         del llm
         gc.collect()
+
+
+def openai_api_key(spec: EngineSpec) -> str | None:
+    """The API key of a ``kind: openai`` engine; ``env:NAME`` reads ``$NAME``.
+
+    Raises:
+        ValueError: ``env:NAME`` names an unset variable.
+    """
+    if spec.api_key is None:
+        return None
+    key = spec.api_key.get_secret_value()
+    if key.startswith("env:"):
+        if key[4:] not in os.environ:
+            raise ValueError(f"engine {spec.name}: api_key {key} names an unset environment variable")
+        return os.environ[key[4:]]
+    return key
+
+
+def add_openai_server_metrics(summary: dict, outs) -> None:
+    """issue 6: a ``kind: openai`` engine's /metrics deltas (``server_metrics``, None when not served);
+    the server's preemption count replaces the client-side 0."""
+    sm = getattr(outs, "server_metrics", None)
+    summary["server_metrics"] = sm
+    if sm and "vllm:num_preemptions_total" in sm["delta"]:
+        summary["num_preemptions"] = int(sm["delta"]["vllm:num_preemptions_total"])
 
 
 def add_sim_errors(results: dict) -> None:
@@ -123,6 +153,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None) -> dict:
         cb = progress(spec.name, spec.kind, len(trace)) if progress else None
         outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb)
         summary = summarize(outs, steps, len(trace), slo)
+        if spec.kind == "openai":  # issue 6
+            add_openai_server_metrics(summary, outs)
         cfg = spec.model_dump(mode="json", exclude_none=True)
         results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary}
         rf, sf = requests_frame(outs), steps_frame(steps)

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator,
+                      model_validator)
 
 from workbench.traces import BUILTIN_TRACE_DIR, FORMATS, TraceRequest, apply_transforms, ensure_prompt_ids, load_trace
 
@@ -165,7 +166,8 @@ class EngineSpec(_Model):
 
     Attributes:
         name: unique within the scenario; letters, digits, ``_`` and ``-`` (overrides address it by name).
-        kind: ``paged`` (continuous batching), ``static`` (static batching baseline) or ``sim`` (simulator).
+        kind: ``paged`` (continuous batching), ``static`` (static batching baseline), ``sim`` (simulator) or
+            ``openai`` (an OpenAI-compatible server at ``base_url``, e.g. ``workbench serve``).
         block_size: tokens per KV block.
         kv_cache_tokens, kv_cache_bytes: KV pool size in tokens or in bytes (at most one).
         max_num_seqs, max_num_batched_tokens: paged step limits (requests, tokens).
@@ -175,10 +177,14 @@ class EngineSpec(_Model):
         dtype: ``float32`` or ``bfloat16``.
         policy: sim only: the scheduling policy simulated, ``paged`` (default) or ``static``.
         cost_model: sim only: a profile JSON (relative to the scenario's folder) or ``builtin:cpu`` (default).
+        base_url: openai only: the endpoint's API root, e.g. ``http://127.0.0.1:8000/v1`` (required).
+        model: openai only: the model id to request (default: the scenario's ``model``).
+        api_key: openai only: sent as ``Authorization: Bearer <api_key>``; ``env:NAME`` reads ``$NAME`` when
+            the run starts. Written masked to results.json.
     """
 
     name: str = Field(min_length=1, max_length=64)
-    kind: Literal["paged", "static", "sim"]
+    kind: Literal["paged", "static", "sim", "openai"]
     block_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
@@ -190,6 +196,10 @@ class EngineSpec(_Model):
     dtype: Literal["float32", "bfloat16"] = "float32"
     policy: Literal["paged", "static"] | None = None
     cost_model: str | None = None
+    # issue 6: kind openai (replay against an OpenAI-compatible endpoint)
+    base_url: str | None = None
+    model: str | None = None
+    api_key: SecretStr | None = None  # results.json shows it masked; "env:NAME" reads $NAME at run time
 
     @field_validator("name")
     @classmethod
@@ -214,6 +224,19 @@ class EngineSpec(_Model):
             for name in ("policy", "cost_model"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
+        # issue 6: kind openai
+        if self.kind == "openai":
+            if not self.base_url or not re.match(r"https?://", self.base_url):
+                raise ValueError(f"kind openai needs base_url: http(s)://host:port/v1, got {self.base_url!r}")
+            knobs = self.model_fields_set & {"block_size", "kv_cache_tokens", "kv_cache_bytes", "max_num_seqs",
+                                             "max_num_batched_tokens", "max_model_len", "max_batch_size",
+                                             "reservation", "dtype"}
+            if knobs:
+                raise ValueError(f"{', '.join(sorted(knobs))}: engine knobs are set on the server, not for kind openai")
+        else:
+            for name in ("base_url", "model", "api_key"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is only for kind openai (kind is {self.kind})")
         return self
 
 

@@ -222,6 +222,8 @@ class AsyncEngine:
             if o is not None:
                 del self._streams[rid]
                 tail = stream.detok.flush()
+                if o.text.startswith(stream.detok.text):  # bytes of an unfinished character at the very end
+                    tail += o.text[len(stream.detok.text):]
                 if out and out[-1][0] is stream:
                     last = out[-1][1]
                     last.text += tail
