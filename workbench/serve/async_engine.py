@@ -169,8 +169,9 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 continue
-            self._emit({o.request_id: o for o in finished})
-            self._update_metrics()
+            out = self._emit({o.request_id: o for o in finished})
+            self._update_metrics()  # before delivery: a client that saw its last token sees the gauges after it
+            self._deliver(out)
 
     def _drain(self) -> None:
         out: list[tuple[RequestStream, TokenDelta]] = []
@@ -199,8 +200,8 @@ class AsyncEngine:
         stream.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop)
         self._streams[req.request_id] = stream
 
-    def _emit(self, finished: dict) -> None:
-        """Send every request's new tokens (one item per token) and end the finished ones."""
+    def _emit(self, finished: dict) -> list:
+        """Every request's new tokens (one item per token), ending the finished ones; returns the items."""
         out: list[tuple[RequestStream, TokenDelta]] = []
         m = self.metrics
         for rid, stream in list(self._streams.items()):
@@ -235,7 +236,7 @@ class AsyncEngine:
                     end = req.token_times[-1] if req.token_times else req.finished_time
                     m.e2e.observe(end - req.arrival_time)
                     m.request_finished(o.finish_reason)
-        self._deliver(out)
+        return out
 
     def _final(self, stream: RequestStream, reason: str, error: str | None = None) -> TokenDelta:
         stream.done = True
