@@ -267,3 +267,21 @@ def test_metrics_use_vllm_names(server, client):
     assert m["vllm:generation_tokens_total"] >= 5 and m["vllm:time_to_first_token_seconds_count"] >= 1
     assert m["vllm:inter_token_latency_seconds_count"] == m["vllm:generation_tokens_total"] - m[
         "vllm:time_to_first_token_seconds_count"]
+
+
+@pytest.mark.real_model
+def test_real_model_chat_and_stream_equal_offline(smollm2_dir):
+    llm = LLM(smollm2_dir, kv_cache_tokens=4096, max_model_len=512)
+    q = "What is the capital of France?"
+    with running_server(build_app(llm, "smollm2-135m")) as url:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        chat = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": q}],
+                                         max_tokens=12, temperature=0)
+        streamed = list(c.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=8,
+                                             temperature=0, stream=True))
+    # the engine thread has stopped with the server: the same LLM now answers offline
+    want_chat = llm.generate([q], greedy(12), chat=True)[0]
+    want = llm.generate(["The capital of France is"], greedy(8))[0]
+    assert chat.choices[0].message.content == want_chat.text and "Paris" in want_chat.text
+    assert "".join(ch.choices[0].text for ch in streamed) == want.text
+    assert len(streamed) == len(want.token_ids)
