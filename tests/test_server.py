@@ -74,6 +74,14 @@ def test_models_and_greedy_completion_equal_offline(server, client, offline):
     assert r2.choices[0].text == want.text
 
 
+def test_tokenize_and_detokenize_as_vllm(server, offline):
+    r = httpx.post(server[0] + "/tokenize", json={"model": "tiny", "prompt": "lazy dog", "add_special_tokens": False})
+    assert r.json()["tokens"] == offline.tokenizer("lazy dog", add_special_tokens=False)["input_ids"]
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 256
+    back = httpx.post(server[0] + "/detokenize", json={"model": "tiny", "tokens": r.json()["tokens"]}).json()
+    assert back == {"prompt": "lazy dog"}
+
+
 def test_chat_uses_the_chat_template(client, offline):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "paged attention"}],
                                        max_tokens=10, temperature=0)

@@ -2,7 +2,7 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or, with
 ``stream: true``, server-sent events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics``
-(Prometheus text, vLLM's names). Extensions as in vLLM: ``ignore_eos``, ``top_k``, ``return_token_ids``
+(Prometheus text, vLLM's names), and vLLM's ``POST /tokenize`` / ``POST /detokenize``. Extensions as in vLLM: ``ignore_eos``, ``top_k``, ``return_token_ids``
 (each choice / chunk carries its ``token_ids``), and a completions ``prompt`` may be token ids.
 
 Streaming sends one chunk per generated token (its text may be empty while a multi-byte character or a
@@ -72,6 +72,20 @@ class CompletionRequest(_SamplingRequest):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` (``vllm bench serve`` uses it to align prompt lengths)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 class APIError(Exception):
@@ -163,6 +177,24 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "workbench",
             "root": str(state.llm.model_dir), "max_model_len": state.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(state, body.model or state.model_name)
+        if body.messages is not None:
+            ids = _chat_prompt(state, body.messages)
+        elif body.prompt is not None:
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        else:
+            raise APIError(400, "give prompt or messages", "prompt")
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(state, body.model or state.model_name)
+        if any(not 0 <= t < state.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {state.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest):
