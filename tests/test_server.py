@@ -293,3 +293,17 @@ def test_real_model_chat_and_stream_equal_offline(smollm2_dir):
     assert chat.choices[0].message.content == want_chat.text and "Paris" in want_chat.text
     assert "".join(ch.choices[0].text for ch in streamed) == want.text
     assert len(streamed) == len(want.token_ids)
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(small_server):
+    before = httpx.get(small_server + "/metrics").text
+    aborted = lambda text: sum(float(x.split()[-1]) for x in text.splitlines()  # noqa: E731
+                               if 'finished_reason="abort"' in x and not x.startswith("#"))
+    with pytest.raises(httpx.ReadTimeout):  # 250 tokens at >= 10 ms a step: the client leaves long before
+        httpx.post(small_server + "/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=0.5,
+                   json={"model": "tiny", "prompt": "dog", "max_tokens": 250, "ignore_eos": True})
+    deadline = time.time() + 1.5
+    while aborted(text := httpx.get(small_server + "/metrics").text) == aborted(before):
+        assert time.time() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.02)
+    assert parse_metrics(text)["vllm:num_requests_running"] == 0

@@ -109,6 +109,23 @@ class APIError(Exception):
 # ------------------------------------------------------------------------------------------ the app
 
 
+class APIKeyMiddleware:
+    """Plain ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <api_key>``, else 401 (``/health``,
+    ``/metrics`` and ``/tokenize`` stay open, as in vLLM). Pure ASGI, so streamed bodies pass untouched."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if auth != self.expected:
+                resp = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)").response()
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class ServerState:
     """What the handlers share: the engine loop, tokenizer, limits and metrics."""
 
@@ -118,6 +135,8 @@ class ServerState:
         self.model_name = model_name
         self.api_key = api_key
         self.max_model_len = llm.engine.scheduler.config.max_model_len
+        kv = llm.engine.scheduler.kv
+        self.pool_tokens = kv.num_blocks * kv.block_size
         self.vocab_size = llm.model_config.vocab_size
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncEngine(llm.engine, max_waiting=max_waiting, metrics=self.metrics)
@@ -157,12 +176,8 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int
         return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}",
                         ".".join(loc) or None).response()
 
-    @app.middleware("http")
-    async def _auth(request: HTTPRequest, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)").response()
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -264,7 +279,7 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
     """SamplingParams of a request; 400 for bad values or a prompt + max_tokens over max_model_len.
 
     ``max_tokens`` defaults to ``default_max_tokens`` (16 for completions, as OpenAI and vLLM) or, when
-    that is None (chat), to what is left of ``max_model_len`` after the longest prompt.
+    that is None (chat), to what is left of ``max_model_len`` (and of the KV pool) after the longest prompt.
     """
     if body.logprobs not in (None, False):
         raise APIError(400, "logprobs is not supported by this server", "logprobs")
@@ -281,7 +296,8 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
         raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, your "
                             f"prompt has {longest} tokens.", "prompt" if isinstance(body, CompletionRequest) else "messages")
     if max_tokens is None:
-        max_tokens = default_max_tokens if default_max_tokens is not None else state.max_model_len - longest
+        max_tokens = (default_max_tokens if default_max_tokens is not None
+                      else min(state.max_model_len, state.pool_tokens) - longest)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,

@@ -97,6 +97,8 @@ class AsyncEngine:
         metrics: a ``ServerMetrics`` to update after every step (optional).
     """
 
+    MAX_STEP_RECORDS = 100_000
+
     def __init__(self, engine, max_waiting: int | None = 1024, metrics=None):
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -169,6 +171,8 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 continue
+            if len(self.engine.steps) > self.MAX_STEP_RECORDS:  # a server runs for days: keep the recent half
+                del self.engine.steps[: self.MAX_STEP_RECORDS // 2]
             out = self._emit({o.request_id: o for o in finished})
             self._update_metrics()  # before delivery: a client that saw its last token sees the gauges after it
             self._deliver(out)
