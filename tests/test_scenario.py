@@ -151,7 +151,7 @@ def test_missing_file_and_yaml_syntax(tmp_path):
     ("name: conv-small\n", "", "name", "required field is missing"),
     ("format: azure", "format: splitwise", "trace.format", "'azure', 'mooncake'"),
     ("request_rate: 4.0", "request_rate: -1", "trace.request_rate", "greater than 0"),
-    ("kind: static", "kind: dynamic", "engines.1.kind", "'paged', 'static' or 'sim'"),
+    ("kind: static", "kind: dynamic", "engines.1.kind", "'paged', 'static', 'sim' or 'openai'"),
     ("max_batch_size: 8", "max_batch_size: 8.5", "engines.1.max_batch_size", "integer"),
     ("max_batch_size: 8", "max_batch_size: yes", "engines.1.max_batch_size", "got a boolean (true)"),
     ("name: static", "name: paged", "engines", "'paged' is engines.0 and engines.1"),

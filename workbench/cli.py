@@ -389,6 +389,41 @@ def paper_check_cmd(scenario: str = typer.Argument(..., help="scenario YAML with
         ratio = f"{sus[first] / v:.2f}x" if v and sus[first] else "-"
         typer.echo(f"  {name:12s} {v if v is None else round(v, 3)} req/s   {first} / {name}: {ratio}")
     typer.echo(str(out))
+@app.command()
+def serve(
+    model: str = typer.Option("smollm2-135m", help="model name or local Llama-family folder"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    api_key: Optional[str] = typer.Option(None, help="require Authorization: Bearer KEY on /v1/*"),
+    served_model_name: Optional[str] = typer.Option(None, help="the id clients pass as model (default: --model)"),
+    engine: str = typer.Option("paged", help="paged | static"),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    block_size: int = typer.Option(16),
+    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default 65536)"),
+    max_num_seqs: int = typer.Option(256),
+    max_num_batched_tokens: int = typer.Option(2048),
+    max_model_len: Optional[int] = typer.Option(None),
+    max_waiting: int = typer.Option(1024, help="queued requests before new ones get 503 (0 = no limit)"),
+    seed: int = typer.Option(0, help="seed of the shared sampling generator"),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API (completions, chat, SSE streaming, /metrics)."""
+    import torch
+
+    from engines.model_store import ModelNotFoundError
+    from workbench.serve.app import serve as run_server
+
+    torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))
+    if engine not in ("paged", "static"):
+        fail(f"--engine must be paged or static, got {engine!r}")
+    if max_waiting < 0:
+        fail(f"--max-waiting must be >= 0, got {max_waiting}")
+    try:
+        run_server(model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
+                   max_waiting=max_waiting or None, engine=engine, dtype=dtype, block_size=block_size,
+                   kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed)
+    except (ModelNotFoundError, ValueError, OSError) as e:
+        fail(str(e))
 
 
 def main() -> None:  # pragma: no cover

@@ -47,6 +47,11 @@ def _knobs(spec: EngineSpec) -> dict:
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
                on_output: Callable | None = None):
     """Replay the trace on one engine; returns ``(outputs, steps)``."""
+    if spec.kind == "openai":  # issue 6: the outputs carry .server_metrics; no engine steps client-side
+        from workbench.openai_replay import replay_openai
+
+        return replay_openai(spec.base_url, spec.model or scenario.model, trace, api_key=openai_api_key(spec),
+                             on_output=on_output, engine_name=spec.name), []
     requests = make_requests(trace, eos)
     if spec.kind == "sim" and (spec.cost_model == "analytic" or spec.policy == "orca"):  # issue 7: GPU what-if
         from workbench.whatif import build_whatif_sim
@@ -82,6 +87,31 @@ def warm_up(llm) -> None:
 
     llm.generate([[100 + i for i in range(16)]], SamplingParams(max_tokens=4, ignore_eos=True))
     llm.engine.steps.clear()
+
+
+def openai_api_key(spec: EngineSpec) -> str | None:
+    """The API key of a ``kind: openai`` engine; ``env:NAME`` reads ``$NAME``.
+
+    Raises:
+        ValueError: ``env:NAME`` names an unset variable.
+    """
+    if spec.api_key is None:
+        return None
+    key = spec.api_key.get_secret_value()
+    if key.startswith("env:"):
+        if key[4:] not in os.environ:
+            raise ValueError(f"engine {spec.name}: api_key {key} names an unset environment variable")
+        return os.environ[key[4:]]
+    return key
+
+
+def add_openai_server_metrics(summary: dict, outs) -> None:
+    """issue 6: a ``kind: openai`` engine's /metrics deltas (``server_metrics``, None when not served);
+    the server's preemption count replaces the client-side 0."""
+    sm = getattr(outs, "server_metrics", None)
+    summary["server_metrics"] = sm
+    if sm and "vllm:num_preemptions_total" in sm["delta"]:
+        summary["num_preemptions"] = int(sm["delta"]["vllm:num_preemptions_total"])
 
 
 def add_sim_errors(results: dict) -> None:
@@ -154,6 +184,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         if (spec.policy or spec.kind) == "paged":  # issue 5: the trace's reuse under an unlimited cache
             ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
             summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
+        if spec.kind == "openai":  # issue 6
+            add_openai_server_metrics(summary, outs)
         cfg = spec.model_dump(mode="json", exclude_none=True)
         results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary}
         rf, sf = requests_frame(outs), steps_frame(steps)

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, ValidationInfo,
+                      field_validator,
                       model_validator)
 
 from workbench.traces import BUILTIN_TRACE_DIR, FORMATS, TraceRequest, apply_transforms, ensure_prompt_ids, load_trace
@@ -166,7 +167,8 @@ class EngineSpec(_Model):
 
     Attributes:
         name: unique within the scenario; letters, digits, ``_`` and ``-`` (overrides address it by name).
-        kind: ``paged`` (continuous batching), ``static`` (static batching baseline) or ``sim`` (simulator).
+        kind: ``paged`` (continuous batching), ``static`` (static batching baseline), ``sim`` (simulator) or
+            ``openai`` (an OpenAI-compatible server at ``base_url``, e.g. ``workbench serve``).
         block_size: tokens per KV block.
         kv_cache_tokens, kv_cache_bytes: KV pool size in tokens or in bytes (at most one).
         max_num_seqs, max_num_batched_tokens: paged step limits (requests, tokens).
@@ -187,15 +189,18 @@ class EngineSpec(_Model):
         swap_space_bytes: CPU swap pool for swap preemption, bytes (0 = none: swap falls back to recompute).
         swap_bandwidth_bytes_per_s: sim only: swap copy bandwidth charged (default 32e9, PCIe 4.0 x16).
         (issue 7, GPU what-if; sim only) model: catalogue model simulated (default: the scenario's
-            model); hardware: catalogue GPU; tp: tensor-parallel GPUs; weight_dtype: ``bf16``, ``fp8``,
+            model; for kind openai, the model id to request); hardware: catalogue GPU; tp: tensor-parallel GPUs; weight_dtype: ``bf16``, ``fp8``,
             ``awq``, ``gptq``, ``int4``; kv_cache_dtype: ``bf16`` or ``fp8``; gpu_memory_utilization:
             fraction of GPU memory for weights + activations + KV; activation_reserve_gib: override the
             activation reserve; efficiency: overrides of the cost model's efficiency factors;
             speculative_model, num_speculative_tokens, spec_acceptance_rate: speculative decoding.
+        base_url: openai only: the endpoint's API root, e.g. ``http://127.0.0.1:8000/v1`` (required).
+        api_key: openai only: sent as ``Authorization: Bearer <api_key>``; ``env:NAME`` reads ``$NAME`` when
+            the run starts. Written masked to results.json.
     """
 
     name: str = Field(min_length=1, max_length=64)
-    kind: Literal["paged", "static", "sim"]
+    kind: Literal["paged", "static", "sim", "openai"]
     block_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
@@ -230,9 +235,13 @@ class EngineSpec(_Model):
     num_speculative_tokens: int | None = Field(None, ge=1)
     spec_acceptance_rate: float | None = Field(None, ge=0, lt=1)
 
+    # issue 6: kind openai (replay against an OpenAI-compatible endpoint; `model` above names the served model)
+    base_url: str | None = None
+    api_key: SecretStr | None = None  # results.json shows it masked; "env:NAME" reads $NAME at run time
+
     @model_validator(mode="after")
     def _check_test_knobs(self) -> "EngineSpec":
-        if self.test_step_delay_s is not None and self.kind == "sim":
+        if self.test_step_delay_s is not None and self.kind not in ("paged", "static"):
             raise ValueError("test_step_delay_s is only for real engines (kind paged or static)")
         return self
 
@@ -258,6 +267,8 @@ class EngineSpec(_Model):
                                  f"{', '.join(BUILTIN_COST_MODELS)} (or analytic, or a profile JSON path)")
         else:
             for name in ("policy", "cost_model", "swap_bandwidth_bytes_per_s") + WHATIF_FIELDS:
+                if name == "model" and self.kind == "openai":
+                    continue  # the served model's id
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
             if self.tp != 1:
@@ -265,6 +276,19 @@ class EngineSpec(_Model):
             for name in ("weight_dtype", "kv_cache_dtype", "gpu_memory_utilization"):
                 if getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
+        # issue 6: kind openai
+        if self.kind == "openai":
+            if not self.base_url or not re.match(r"https?://", self.base_url):
+                raise ValueError(f"kind openai needs base_url: http(s)://host:port/v1, got {self.base_url!r}")
+            knobs = self.model_fields_set & {"block_size", "kv_cache_tokens", "kv_cache_bytes", "max_num_seqs",
+                                             "max_num_batched_tokens", "max_model_len", "max_batch_size",
+                                             "reservation", "dtype"}
+            if knobs:
+                raise ValueError(f"{', '.join(sorted(knobs))}: engine knobs are set on the server, not for kind openai")
+        else:
+            for name in ("base_url", "api_key"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is only for kind openai (kind is {self.kind})")
         return self
 
 

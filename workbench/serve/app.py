@@ -1,0 +1,486 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over one ``AsyncEngine``.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or, with
+``stream: true``, server-sent events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics``
+(Prometheus text, vLLM's names), and vLLM's ``POST /tokenize`` / ``POST /detokenize``. Extensions as in vLLM: ``ignore_eos``, ``top_k``, ``return_token_ids``
+(each choice / chunk carries its ``token_ids``), and a completions ``prompt`` may be token ids.
+
+Streaming sends one chunk per generated token (its text may be empty while a multi-byte character or a
+possible stop string is held back), so client-side inter-token latencies are per token, as
+``vllm bench serve`` measures them. A client that disconnects has its requests aborted (KV freed).
+
+Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad parameter,
+prompt over ``max_model_len``), 401 (missing or wrong API key), 404 (unknown model), 503 (waiting
+queue full), 500 (engine failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.request import Request
+from engines.sampling_params import SamplingParams
+from workbench.serve.async_engine import AsyncEngine, QueueFullError, RequestGroup
+from workbench.serve.prom import ServerMetrics
+
+# ------------------------------------------------------------------------------------------ protocol
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat requests (unknown fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` (``vllm bench serve`` uses it to align prompt lengths)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class APIError(Exception):
+    """An OpenAI-style error response."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
+             503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "APIError"),
+                          "param": self.param, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# ------------------------------------------------------------------------------------------ the app
+
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <api_key>``, else 401 (``/health``,
+    ``/metrics`` and ``/tokenize`` stay open, as in vLLM). Pure ASGI, so streamed bodies pass untouched."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if auth != self.expected:
+                resp = APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)").response()
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ServerState:
+    """What the handlers share: the engine loop, tokenizer, limits and metrics."""
+
+    def __init__(self, llm, model_name: str, api_key: str | None, max_waiting: int | None):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_model_len = llm.engine.scheduler.config.max_model_len
+        kv = llm.engine.scheduler.kv
+        self.pool_tokens = kv.num_blocks * kv.block_size
+        self.vocab_size = llm.model_config.vocab_size
+        self.metrics = ServerMetrics(model_name)
+        self.engine = AsyncEngine(llm.engine, max_waiting=max_waiting, metrics=self.metrics)
+        self.created = int(time.time())
+
+
+def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int | None = 1024) -> FastAPI:
+    """The FastAPI app serving ``llm`` (an ``engines.LLM``) as ``model_name``.
+
+    The engine thread starts with the app (lifespan) and stops with it.
+
+    Args:
+        llm: the loaded model and engine.
+        model_name: the id clients pass as ``model`` (others get 404).
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        max_waiting: most queued (not yet running) requests before new ones get 503; None = no limit.
+    """
+    state = ServerState(llm, model_name, api_key, max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.engine.start()
+        yield
+        state.engine.shutdown()
+
+    app = FastAPI(title="workbench OpenAI-compatible server", lifespan=lifespan)
+    app.state.workbench = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}",
+                        ".".join(loc) or None).response()
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "workbench",
+            "root": str(state.llm.model_dir), "max_model_len": state.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(state, body.model or state.model_name)
+        if body.messages is not None:
+            ids = _chat_prompt(state, body.messages)
+        elif body.prompt is not None:
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        else:
+            raise APIError(400, "give prompt or messages", "prompt")
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": list(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(state, body.model or state.model_name)
+        if any(not 0 <= t < state.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {state.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: HTTPRequest):
+        _check_model(state, body.model)
+        prompts = _completion_prompts(state, body.prompt)
+        sp = _sampling_params(state, body, body.max_tokens, [len(p) for p in prompts], default_max_tokens=16)
+        return await _respond(state, request, body, prompts, sp, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
+        _check_model(state, body.model)
+        prompt = _chat_prompt(state, body.messages)
+        sp = _sampling_params(state, body, body.max_completion_tokens or body.max_tokens, [len(prompt)], None)
+        return await _respond(state, request, body, [prompt], sp, chat=True)
+
+    return app
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+
+def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
+    """Token ids of each prompt: a string, a list of strings, token ids or a list of token-id lists."""
+    if isinstance(prompt, str):
+        raw: list = [prompt]
+    elif prompt and all(isinstance(x, int) for x in prompt):
+        raw = [prompt]
+    else:
+        raw = list(prompt)
+    if not raw:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    out = []
+    for p in raw:
+        ids = state.tokenizer(p, add_special_tokens=True)["input_ids"] if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        bad = next((t for t in ids if not 0 <= t < state.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {state.vocab_size})", "prompt")
+        out.append(ids)
+    return out
+
+
+def _chat_prompt(state: ServerState, messages: list[dict]) -> list[int]:
+    """The conversation through the tokenizer's chat template, with the assistant turn opened."""
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
+    msgs = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
+            raise APIError(400, f"messages.{i}: needs a string role and text content", f"messages.{i}")
+        msgs.append({"role": m["role"], "content": content or ""})
+    try:
+        ids = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # template errors (e.g. role order) are the client's
+        raise APIError(400, f"chat template failed: {e}", "messages") from None
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int | None,
+                     prompt_lens: list[int], default_max_tokens: int | None) -> SamplingParams:
+    """SamplingParams of a request; 400 for bad values or a prompt + max_tokens over max_model_len.
+
+    ``max_tokens`` defaults to ``default_max_tokens`` (16 for completions, as OpenAI and vLLM) or, when
+    that is None (chat), to what is left of ``max_model_len`` (and of the KV pool) after the longest prompt.
+    """
+    if body.logprobs not in (None, False):
+        raise APIError(400, "logprobs is not supported by this server", "logprobs")
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        v = getattr(body, name)
+        if v is not None and v != neutral:
+            raise APIError(400, f"{name} is not supported by this server (only {neutral})", name)
+    if getattr(body, "echo", False):
+        raise APIError(400, "echo is not supported by this server", "echo")
+    if not 1 <= body.n <= 64:
+        raise APIError(400, f"n must be between 1 and 64, got {body.n}", "n")
+    longest = max(prompt_lens)
+    if longest >= state.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, your "
+                            f"prompt has {longest} tokens.", "prompt" if isinstance(body, CompletionRequest) else "messages")
+    if max_tokens is None:
+        max_tokens = (default_max_tokens if default_max_tokens is not None
+                      else min(state.max_model_len, state.pool_tokens) - longest)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+                        stop=[s for s in stop if s], ignore_eos=body.ignore_eos)
+    bad = sp.validate()
+    if bad:
+        raise APIError(400, bad, bad.split(" ", 1)[0])
+    if longest + max_tokens > state.max_model_len:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+                            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
+                            f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+    return sp
+
+
+# --------------------------------------------------------------------------------- n (parallel sampling)
+def fan_out_requests(state: ServerState, prompts: list[list[int]], sp: SamplingParams, n: int,
+                     id_prefix: str) -> list[Request]:
+    """The engine requests of one API call; choice ``index = prompt_index * n + i``.
+
+    ``n`` is done in the server for now: one engine request per choice, the ``i``-th with seed
+    ``seed + i`` when a seed is given (so the choices differ but the call is reproducible).
+    When the engine gains ``SamplingParams.n`` (parallel sampling with shared prompt blocks), switch
+    here to one engine request per prompt with ``n`` set; the handlers only see choice indices.
+    """
+    import dataclasses
+
+    now = time.perf_counter()
+    reqs = []
+    eos = state.llm.eos_token_id
+    for p, ids in enumerate(prompts):
+        for i in range(n):
+            params = sp if n == 1 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i, stop=list(sp.stop))
+            reqs.append(Request(f"{id_prefix}-{p * n + i}", list(ids), params, arrival_time=now, eos_token_id=eos))
+    return reqs
+# ---------------------------------------------------------------------------------------------------
+
+
+def _submit(state: ServerState, reqs: list[Request]) -> RequestGroup:
+    for r in reqs:  # same checks as the scheduler's admission (e.g. the KV pool size)
+        reason = state.llm.engine.scheduler.validate(r)
+        if reason:
+            raise APIError(400, reason)
+    try:
+        return state.engine.submit(reqs)
+    except QueueFullError as e:
+        raise APIError(503, str(e)) from None
+    except RuntimeError as e:
+        raise APIError(503, str(e)) from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _respond(state: ServerState, http: HTTPRequest, body: _SamplingRequest, prompts: list[list[int]],
+                   sp: SamplingParams, chat: bool):
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    reqs = fan_out_requests(state, prompts, sp, body.n, rid)
+    group = _submit(state, reqs)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs[:: body.n])
+    if body.stream:
+        return StreamingResponse(_stream(state, body, group, rid, prompt_tokens, chat), media_type="text/event-stream")
+    return await _until_done_or_disconnect(state, http, group, _collect(state, body, group, rid, prompt_tokens, chat))
+
+
+async def _until_done_or_disconnect(state: ServerState, http: HTTPRequest, group: RequestGroup, work):
+    """Await ``work``; if the client disconnects first, abort the group's requests."""
+
+    async def disconnected():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            for s in group.unfinished():
+                state.engine.abort(s.request_id)
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def _raise_for(delta) -> None:
+    if delta.finish_reason == "rejected":
+        raise APIError(400, delta.error or "request rejected")
+    if delta.finish_reason == "error":
+        raise APIError(500, delta.error or "engine failure")
+
+
+async def _collect(state: ServerState, body, group: RequestGroup, rid: str, prompt_tokens: int, chat: bool):
+    n = len(group.streams)
+    texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    async for d in group:
+        _raise_for(d)
+        texts[d.index] += d.text
+        ids[d.index].extend(d.token_ids)
+        if d.finish_reason:
+            reasons[d.index] = d.finish_reason
+    choices = []
+    for i in range(n):
+        c: dict[str, Any] = {"index": i}
+        if chat:
+            c["message"] = {"role": "assistant", "content": texts[i]}
+        else:
+            c["text"] = texts[i]
+        c.update({"logprobs": None, "finish_reason": reasons[i]})
+        if body.return_token_ids:
+            c["token_ids"] = ids[i]
+        choices.append(c)
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices,
+            "usage": _usage(prompt_tokens, sum(len(x) for x in ids))}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(state: ServerState, body, group: RequestGroup, rid: str, prompt_tokens: int, chat: bool):
+    """SSE chunks: one per generated token per choice, then usage (if asked), then ``[DONE]``.
+
+    Whatever ends the generator early (client disconnect, cancellation) aborts the unfinished requests.
+    """
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    completion_tokens = 0
+
+    def chunk(index: int, text: str, finish: str | None, token_ids: list[int] | None, first: bool = False) -> str:
+        c: dict[str, Any] = {"index": index}
+        if chat:
+            c["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+        else:
+            c["text"] = text
+        c.update({"logprobs": None, "finish_reason": finish})
+        if body.return_token_ids and token_ids is not None:
+            c["token_ids"] = token_ids
+        out = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [c]}
+        if include_usage:
+            out["usage"] = None
+        return _sse(out)
+
+    try:
+        if chat:
+            for s in group.streams:
+                yield chunk(s.index, "", None, None, first=True)
+        async for d in group:
+            if d.finish_reason in ("rejected", "error"):  # an error event in the stream, as vLLM does
+                yield _sse(APIError(400 if d.finish_reason == "rejected" else 500, d.error or "failed").body())
+                continue
+            completion_tokens += len(d.token_ids)
+            if not d.token_ids and not d.text and d.finish_reason is None:
+                continue
+            yield chunk(d.index, d.text, d.finish_reason, d.token_ids)
+        if include_usage:
+            yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [],
+                        "usage": _usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+    finally:
+        for s in group.unfinished():
+            state.engine.abort(s.request_id)
+
+
+def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None, max_waiting: int | None = 1024, log_level: str = "warning",
+          **llm_kwargs) -> None:
+    """Load the model and serve it until interrupted (``workbench serve``).
+
+    ``llm_kwargs`` are ``engines.LLM`` knobs (engine, dtype, block_size, kv_cache_tokens, max_num_seqs,
+    max_num_batched_tokens, max_model_len, seed).
+    """
+    import uvicorn
+
+    from engines.llm_engine import LLM
+
+    llm = LLM(model, **llm_kwargs)
+    app = build_app(llm, served_model_name or model, api_key=api_key, max_waiting=max_waiting)
+    print(f"serving {served_model_name or model} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)",
+          flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+

@@ -1,0 +1,286 @@
+"""One engine loop in a background thread, fed by asyncio handlers (continuous batching across clients).
+
+The engine (``engines.LLMEngine``) is synchronous PyTorch, so it runs in its own thread. Handlers hand
+requests to it through a thread-safe command queue (``add`` / ``abort``) and receive each request's
+tokens on an ``asyncio.Queue`` that the engine thread feeds with ``loop.call_soon_threadsafe`` (one
+call per step for all requests). Requests that arrive while others run join the running batch at the
+next step. When nothing is queued or running, the thread blocks on an event (no spinning).
+
+Every request ends with exactly one item whose ``finish_reason`` is set: ``stop``, ``length``,
+``abort``, ``rejected`` (with ``error``) or ``error`` (the engine step raised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+
+from engines.detokenizer import IncrementalDetokenizer
+from engines.request import Request, RequestStatus
+
+log = logging.getLogger("workbench.serve")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests already (the server answers 503)."""
+
+
+@dataclass
+class TokenDelta:
+    """What one request produced since the last item: normally one token and the text it completes.
+
+    ``text`` may be empty while bytes of a character or a possible stop string are held back; the last
+    item carries ``finish_reason`` (and whatever text was held back).
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    index: int = 0  # the stream's position in its group (the choice index)
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """A submitted request; its ``TokenDelta`` items (``index`` = ``self.index``) go to ``queue``."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int = 0
+    detok: IncrementalDetokenizer | None = None
+    num_sent: int = 0
+    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """Requests submitted together (a prompt list, or ``n`` choices) sharing one queue.
+
+    ``async for delta in group`` yields every stream's items, interleaved as produced, until each
+    stream has ended; ``delta.index`` tells them apart.
+    """
+
+    streams: list[RequestStream]
+    queue: asyncio.Queue
+
+    def __aiter__(self):
+        return self._iter()
+
+    async def _iter(self):
+        left = len(self.streams)
+        while left:
+            item: TokenDelta = await self.queue.get()
+            if item.finish_reason is not None:
+                left -= 1
+            yield item
+
+    def unfinished(self) -> list[RequestStream]:
+        """Streams whose last item has not been produced yet (abort these when the client leaves)."""
+        return [s for s in self.streams if not s.done]
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a daemon thread while requests are queued or running.
+
+    Args:
+        engine: an ``LLMEngine`` (with a tokenizer: output text is detokenized incrementally here).
+        max_waiting: most requests queued but not yet running; ``submit`` raises ``QueueFullError``
+            beyond it (None = no limit).
+        metrics: a ``ServerMetrics`` to update after every step (optional).
+    """
+
+    MAX_STEP_RECORDS = 100_000
+
+    def __init__(self, engine, max_waiting: int | None = 1024, metrics=None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self._cmds: collections.deque = collections.deque()  # append/popleft are thread-safe
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._pending = 0  # submitted, not yet handed to the scheduler
+        self._num_waiting = 0  # the scheduler's waiting queue after the last step
+        self._streams: dict[str, RequestStream] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
+
+    # -- handler side (event loop thread) --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step (unfinished requests are left as they are)."""
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued but not running (submitted ones included)."""
+        with self._lock:
+            return self._num_waiting + self._pending
+
+    def submit(self, requests: list[Request]) -> RequestGroup:
+        """Queue requests (all or none); call from the event loop that will read the streams.
+
+        Raises:
+            QueueFullError: admitting them would put more than ``max_waiting`` requests in the queue.
+            RuntimeError: the engine loop has stopped.
+        """
+        if self._stop or not self._thread.is_alive():
+            raise RuntimeError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self.max_waiting is not None and self._num_waiting + self._pending + len(requests) > self.max_waiting:
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+            self._pending += len(requests)
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [RequestStream(r, loop, queue, i) for i, r in enumerate(requests)]
+        for s in streams:
+            self._cmds.append(("add", s))
+        self._wake.set()
+        return RequestGroup(streams, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the loop to abort a request (frees its KV blocks); a no-op if it has ended."""
+        self._cmds.append(("abort", request_id))
+        self._wake.set()
+
+    # -- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.clear()
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._update_metrics()
+                self._wake.wait()
+                continue
+            try:
+                finished = self.engine.step()
+            except Exception as e:  # keep serving; every request in flight ends with an error
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                continue
+            if len(self.engine.steps) > self.MAX_STEP_RECORDS:  # a server runs for days: keep the recent half
+                del self.engine.steps[: self.MAX_STEP_RECORDS // 2]
+            out = self._emit({o.request_id: o for o in finished})
+            self._update_metrics()  # before delivery: a client that saw its last token sees the gauges after it
+            self._deliver(out)
+
+    def _drain(self) -> None:
+        out: list[tuple[RequestStream, TokenDelta]] = []
+        while self._cmds:
+            kind, arg = self._cmds.popleft()
+            if kind == "add":
+                self._add(arg, out)
+            else:
+                stream = self._streams.pop(arg, None)
+                if stream is not None:
+                    self.engine.abort(arg)
+                    out.append((stream, self._final(stream, "abort")))
+        with self._lock:
+            self._num_waiting = len(self.engine.scheduler.waiting)
+        self._deliver(out)
+
+    def _add(self, stream: RequestStream, out: list) -> None:
+        req = stream.request
+        with self._lock:
+            self._pending -= 1
+        rejected = self.engine.add_request(req)
+        if rejected is not None:
+            stream.done = True
+            out.append((stream, TokenDelta([], "", "rejected", rejected.error)))
+            return
+        stream.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop)
+        self._streams[req.request_id] = stream
+
+    def _emit(self, finished: dict) -> list:
+        """Every request's new tokens (one item per token), ending the finished ones; returns the items."""
+        out: list[tuple[RequestStream, TokenDelta]] = []
+        m = self.metrics
+        for rid, stream in list(self._streams.items()):
+            req = stream.request
+            new = req.output_token_ids[stream.num_sent:]
+            for i, tok in enumerate(new):
+                text, _ = stream.detok.step(tok)
+                k = stream.num_sent
+                if m is not None:
+                    if k == 0:
+                        m.prompt_tokens.inc(req.num_prompt_tokens)
+                        m.ttft.observe(req.token_times[0] - req.arrival_time)
+                    elif k < len(req.token_times):
+                        m.itl.observe(req.token_times[k] - req.token_times[k - 1])
+                    m.generation_tokens.inc()
+                stream.num_sent += 1
+                out.append((stream, TokenDelta([tok], text)))
+            o = finished.get(rid)
+            if o is not None:
+                del self._streams[rid]
+                tail = stream.detok.flush()
+                if o.text.startswith(stream.detok.text):  # bytes of an unfinished character at the very end
+                    tail += o.text[len(stream.detok.text):]
+                if out and out[-1][0] is stream:
+                    last = out[-1][1]
+                    last.text += tail
+                    last.finish_reason = o.finish_reason
+                else:
+                    out.append((stream, TokenDelta([], tail, o.finish_reason)))
+                stream.done = True
+                if m is not None:
+                    end = req.token_times[-1] if req.token_times else req.finished_time
+                    m.e2e.observe(end - req.arrival_time)
+                    m.request_finished(o.finish_reason)
+        return out
+
+    def _final(self, stream: RequestStream, reason: str, error: str | None = None) -> TokenDelta:
+        stream.done = True
+        if self.metrics is not None and reason == "abort":
+            self.metrics.request_finished("abort")
+        return TokenDelta([], "", reason, error)
+
+    def _fail_all(self, reason: str) -> None:
+        out = []
+        for rid, stream in list(self._streams.items()):
+            req = self.engine.scheduler.finish_request(rid, RequestStatus.FAILED)
+            if req is not None:
+                req.reject_reason = reason
+                self.engine._finish(req)
+            out.append((stream, self._final(stream, "error", reason)))
+        self._streams.clear()
+        self._deliver(out)
+
+    def _update_metrics(self) -> None:
+        sched = self.engine.scheduler
+        with self._lock:
+            self._num_waiting = len(sched.waiting)
+        if self.metrics is not None:
+            self.metrics.update_engine(self.engine, len(sched.running), len(sched.waiting),
+                                       sched.kv_stats().usage_frac)
+
+    @staticmethod
+    def _deliver(items: list[tuple[RequestStream, TokenDelta]]) -> None:
+        """Hand items to their event loops: one ``call_soon_threadsafe`` per loop per step."""
+        by_loop: dict = {}
+        for stream, delta in items:
+            delta.index = stream.index
+            by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop has closed (server shutting down)
+                pass
+
+
+def _put_all(batch) -> None:
+    for queue, delta in batch:
+        queue.put_nowait(delta)
