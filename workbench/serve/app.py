@@ -317,10 +317,12 @@ def fan_out_requests(state: ServerState, prompts: list[list[int]], sp: SamplingP
                      id_prefix: str) -> list[Request]:
     """The engine requests of one API call; choice ``index = prompt_index * n + i``.
 
-    ``n`` is done in the server for now: one engine request per choice, the ``i``-th with seed
-    ``seed + i`` when a seed is given (so the choices differ but the call is reproducible).
-    When the engine gains ``SamplingParams.n`` (parallel sampling with shared prompt blocks), switch
-    here to one engine request per prompt with ``n`` set; the handlers only see choice indices.
+    ``n`` is done in the server: one engine request per choice, the ``i``-th with seed ``seed + i``
+    when a seed is given (so the choices differ but the call is reproducible; the engine's own
+    ``SamplingParams.n`` forks children with the same seeds, so the tokens are the same). With prefix
+    caching on (the default) the choices share the prompt's full KV blocks through the cache; the
+    engine-level ``n`` would also share the partly filled last block (copy-on-write). Switching here
+    means routing forked children's outputs (``parent_id``) to their choice streams.
     """
     import dataclasses
 
