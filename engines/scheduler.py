@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engines.beam_search import BeamSearch
 from engines.config import SchedulerConfig
 from engines.kv_cache_manager import KVStats, PagedKVCacheManager
 from engines.request import Request, RequestStatus
@@ -103,6 +104,9 @@ class StepResult:
     duration: float
     swap_time: float = 0.0  # issue 5: seconds of the step spent copying swapped blocks (included in duration)
     logprobs: dict[str, float] = field(default_factory=dict)  # issue 5: log p of sampled tokens (best_of)
+    # issue 5: beam search: for a beam-search row, its 2 x beam_width most likely next tokens as
+    # [(token id, log p)], most likely first, instead of an entry in ``sampled``
+    beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -159,7 +163,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             req.num_computed_tokens += seq.num_tokens
-            if not seq.sample:
+            if not seq.sample or seq.request_id in result.beam_candidates:  # beams: see BeamSearch.update
                 continue
             tok = result.sampled[seq.request_id]
             req.append_output(tok)
@@ -239,6 +243,7 @@ class PagedScheduler(Scheduler):
             raise ValueError(bad)
         self.kv = kv
         self.swapped: deque[Request] = deque()
+        self.beam_search = BeamSearch()  # issue 5
 
     def validate(self, request: Request) -> str | None:
         reason = super().validate(request)
@@ -253,7 +258,7 @@ class PagedScheduler(Scheduler):
                 f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) exceeds "
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) with chunked prefill off"
             )
-        return reason
+        return reason or self.beam_search.validate(request, self.kv)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for ``req`` this step (0 = it must wait): the rest of its tokens, capped by
@@ -341,6 +346,7 @@ class PagedScheduler(Scheduler):
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
+        self.beam_search.on_preempt(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -359,6 +365,7 @@ class PagedScheduler(Scheduler):
         req = self.requests.get(request_id)
         if req is not None and req in self.swapped:
             self.swapped.remove(req)
+        self.beam_search.on_finish(self, request_id)
         return super().finish_request(request_id, status, stop_reason)
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
@@ -415,6 +422,7 @@ class PagedScheduler(Scheduler):
             elif child.num_output_tokens >= child.sampling_params.max_tokens:
                 self.finish_request(child.request_id, RequestStatus.FINISHED_LENGTH)
                 finished.append(child)
+        finished.extend(self.beam_search.update(self, output, result))  # issue 5: beam search
         return finished
 
     def _release(self, request: Request) -> None:
