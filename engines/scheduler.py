@@ -125,6 +125,8 @@ class Scheduler:
         config: batching limits (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``...).
     """
 
+    supports_beam_search = False  # issue 5: only the paged policy runs beam search (BeamSearch)
+
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.waiting: deque[Request] = deque()
@@ -204,6 +206,8 @@ class Scheduler:
             return f"request {request.request_id}: {bad}"
         if request.num_prompt_tokens < 1:
             return f"request {request.request_id}: empty prompt"
+        if request.sampling_params.use_beam_search and not self.supports_beam_search:
+            return f"request {request.request_id}: beam search (beam_width > 1) needs the paged engine"
         if request.max_total_tokens > self.config.max_model_len:
             return (
                 f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
@@ -235,6 +239,8 @@ class PagedScheduler(Scheduler):
     Raises:
         ValueError: a bad issue-5 knob (see ``SchedulerConfig.validate``).
     """
+
+    supports_beam_search = True
 
     def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
         super().__init__(config)

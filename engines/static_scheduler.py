@@ -37,8 +37,6 @@ class StaticScheduler(Scheduler):
 
     def validate(self, request: Request) -> str | None:
         reason = super().validate(request)
-        if reason is None and request.sampling_params.use_beam_search:
-            reason = f"request {request.request_id}: beam search (beam_width > 1) needs the paged engine"
         if reason is None and not self.kv.fits_ever(self.reservation(request)):
             reason = (
                 f"request {request.request_id}: its {self.config.reservation!r} reservation "
