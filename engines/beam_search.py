@@ -31,7 +31,8 @@ tensors are, so equal log-probabilities give equal rankings. Ties between equal 
 beam rank, then by the candidate's rank within its beam (``torch.topk`` leaves the order of exact ties
 unspecified).
 
-A beam that got its candidates but is preempted before its siblings get theirs drops them and computes
+Beams join ``running`` when forked, like parallel-sampling children (``max_num_seqs`` limits admissions, not
+forks). A beam that got its candidates but is preempted before its siblings get theirs drops them and computes
 its last token again (recompute: its whole sequence) before the selection can run.
 """
 

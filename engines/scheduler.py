@@ -13,7 +13,9 @@ requests first, then waiting ones, at most ``max_num_seqs`` requests. A prompt l
 left of the budget is split across steps (chunked prefill). When a block cannot be allocated, the most
 recently admitted running request is preempted: by recompute (its blocks are freed and it goes back to
 the head of ``waiting``) or by swap (its blocks are copied to a CPU swap pool and it waits in
-``swapped``). With prefix caching a waiting request starts after its longest cached prefix.
+``swapped``). With prefix caching a waiting request starts after its longest cached prefix. Beam search
+(``engines/beam_search.py``) runs a request's beams as forked sequences; ``BeamSearch`` hooks into
+``validate``, ``update``, preemption and ``finish_request``.
 """
 
 from __future__ import annotations
