@@ -51,6 +51,9 @@ class RequestOutput:
     seq_index: int = 0
     cumulative_logprob: float = 0.0
     outputs: list["RequestOutput"] = field(default_factory=list)
+    # issue 5: beam search: the hypothesis' length-penalised score (None without beam search); a beam-search
+    # request's output is its best hypothesis and ``outputs`` its beam_width (or n) best, best first
+    beam_score: float | None = None
 
 
 _FINISH_REASON = {
@@ -182,7 +185,7 @@ class LLMEngine:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         else:
             text = ""
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.prompt_token_ids,
@@ -200,6 +203,24 @@ class LLMEngine:
             seq_index=req.seq_index,
             cumulative_logprob=req.cumulative_logprob,
         )
+        if req.beam_hypotheses:
+            self._beam_outputs(req, out)
+        return out
+
+    def _beam_outputs(self, req: Request, out: RequestOutput) -> None:
+        """Fill a finished beam-search request's ``outputs``: its ``beam_width`` best hypotheses (the ``n``
+        best when ``n`` > 1), best first; the first is ``out`` itself."""
+        import dataclasses
+
+        sp = req.sampling_params
+        hyps = req.beam_hypotheses[: sp.n if sp.n > 1 else sp.beam_width]
+        out.beam_score = hyps[0].score
+        out.outputs = [out]
+        for i, h in enumerate(hyps[1:], 1):
+            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            out.outputs.append(dataclasses.replace(
+                out, token_ids=list(h.token_ids), text=text, finish_reason=h.finish_reason, seq_index=i,
+                cumulative_logprob=h.cumulative_logprob, beam_score=h.score, outputs=[]))
 
     def _record(self, out, start: float, duration: float) -> None:
         kv = out.kv_stats
@@ -406,7 +427,8 @@ class LLM:
         Rejected requests (over ``max_model_len``, ``max_tokens < 1``...) come back with
         ``finish_reason == "rejected"`` and ``error`` set, while the rest complete. With ``n`` > 1
         (parallel sampling) a prompt's output carries its n sequences in ``outputs`` (the first of them
-        is the output itself).
+        is the output itself). With ``beam_width`` > 1 (beam search) the output is the best hypothesis and
+        ``outputs`` the ``beam_width`` (or ``n``) best, best first.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

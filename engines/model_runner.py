@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engines.beam_search import num_candidates
 from engines.config import ModelConfig
 from engines.model import AttentionMetadata, LlamaModel
 from engines.sampler import Sampler
@@ -112,7 +113,7 @@ class ModelExecutor:
         input_ids, positions, meta, last_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
-        sampled, logprobs = {}, {}
+        sampled, logprobs, beam_cands = {}, {}, {}
         if sample_seqs:
             # a row that forks parallel-sampling children is sampled once per child too (same logits)
             rows, ids, params = [], [], []
@@ -125,14 +126,20 @@ class ModelExecutor:
                     ids.append(cid)
                     params.append(cp)
             logits = self.model.compute_logits(hidden[torch.tensor(rows)])
-            toks = self.sampler.sample(logits, ids, params)
+            beam = [i for i, p in enumerate(params) if p.use_beam_search]  # issue 5: beam rows give candidates
+            if beam:
+                width = max(params[i].beam_width for i in beam)
+                beam_cands = {ids[i]: c for i, c in zip(beam, beam_candidates(logits[beam], width))}
+                keep = [i for i in range(len(ids)) if not params[i].use_beam_search]
+                logits, ids, params = logits[keep], [ids[i] for i in keep], [params[i] for i in keep]
+            toks = self.sampler.sample(logits, ids, params) if ids else []
             sampled = dict(zip(ids, toks))
             if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
                 lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)]
                 logprobs = dict(zip(ids, lp.tolist()))
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
-        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs)
+        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs, beam_cands)
 
     def _copy_blocks(self, out: SchedulerOutput) -> float:
         """Run the step's swap-outs, swap-ins and block copies (in that order); returns the seconds the
@@ -175,6 +182,22 @@ class ModelExecutor:
             meta.decode_block_tables = torch.tensor(padded)
             meta.decode_context_lens = torch.tensor(dec_lens)
         return torch.tensor(ids), torch.tensor(pos), meta, last_idx
+
+
+def beam_candidates(logits: torch.Tensor, beam_width: int) -> list[list[tuple[int, float]]]:
+    """Each row's ``2 x beam_width`` most likely next tokens and their log-probabilities, as transformers'
+    beam search takes them (``log_softmax`` of float32 logits, then ``topk``).
+
+    Args:
+        logits: ``[rows, vocab]``.
+        beam_width: W (the largest of the batch's beam-search requests: a request with a smaller W gets extra
+            candidates, which cannot reach its top 2W and so change nothing).
+    Returns:
+        per row, ``[(token id, log p)]`` most likely first.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    vals, idx = torch.topk(logp, k=min(num_candidates(beam_width), logp.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
 
 
 def _busy_wait(seconds: float) -> None:

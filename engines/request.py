@@ -68,6 +68,9 @@ class Request:
     seq_index: int = 0
     forked: bool = False
     cumulative_logprob: float = 0.0
+    # issue 5: beam search: a beam-search request's finished hypotheses (engines.beam_search.Hypothesis),
+    # best first, set when its search ends; its beams are internal sequences naming it parent_id
+    beam_hypotheses: list = field(default_factory=list)
 
     @property
     def fork_ids(self) -> list[str]:

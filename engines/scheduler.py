@@ -13,7 +13,9 @@ requests first, then waiting ones, at most ``max_num_seqs`` requests. A prompt l
 left of the budget is split across steps (chunked prefill). When a block cannot be allocated, the most
 recently admitted running request is preempted: by recompute (its blocks are freed and it goes back to
 the head of ``waiting``) or by swap (its blocks are copied to a CPU swap pool and it waits in
-``swapped``). With prefix caching a waiting request starts after its longest cached prefix.
+``swapped``). With prefix caching a waiting request starts after its longest cached prefix. Beam search
+(``engines/beam_search.py``) runs a request's beams as forked sequences; ``BeamSearch`` hooks into
+``validate``, ``update``, preemption and ``finish_request``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engines.beam_search import BeamSearch
 from engines.config import SchedulerConfig
 from engines.kv_cache_manager import KVStats, PagedKVCacheManager
 from engines.request import Request, RequestStatus
@@ -103,6 +106,9 @@ class StepResult:
     duration: float
     swap_time: float = 0.0  # issue 5: seconds of the step spent copying swapped blocks (included in duration)
     logprobs: dict[str, float] = field(default_factory=dict)  # issue 5: log p of sampled tokens (best_of)
+    # issue 5: beam search: for a beam-search row, its 2 x beam_width most likely next tokens as
+    # [(token id, log p)], most likely first, instead of an entry in ``sampled``
+    beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -120,6 +126,8 @@ class Scheduler:
     Args:
         config: batching limits (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``...).
     """
+
+    supports_beam_search = False  # issue 5: only the paged policy runs beam search (BeamSearch)
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -159,7 +167,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             req.num_computed_tokens += seq.num_tokens
-            if not seq.sample:
+            if not seq.sample or seq.request_id in result.beam_candidates:  # beams: see BeamSearch.update
                 continue
             tok = result.sampled[seq.request_id]
             req.append_output(tok)
@@ -200,6 +208,8 @@ class Scheduler:
             return f"request {request.request_id}: {bad}"
         if request.num_prompt_tokens < 1:
             return f"request {request.request_id}: empty prompt"
+        if request.sampling_params.use_beam_search and not self.supports_beam_search:
+            return f"request {request.request_id}: beam search (beam_width > 1) needs the paged engine"
         if request.max_total_tokens > self.config.max_model_len:
             return (
                 f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
@@ -232,6 +242,8 @@ class PagedScheduler(Scheduler):
         ValueError: a bad issue-5 knob (see ``SchedulerConfig.validate``).
     """
 
+    supports_beam_search = True
+
     def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
         super().__init__(config)
         bad = config.validate()
@@ -239,6 +251,7 @@ class PagedScheduler(Scheduler):
             raise ValueError(bad)
         self.kv = kv
         self.swapped: deque[Request] = deque()
+        self.beam_search = BeamSearch()  # issue 5
 
     def validate(self, request: Request) -> str | None:
         reason = super().validate(request)
@@ -253,7 +266,7 @@ class PagedScheduler(Scheduler):
                 f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) exceeds "
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) with chunked prefill off"
             )
-        return reason
+        return reason or self.beam_search.validate(request, self.kv)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for ``req`` this step (0 = it must wait): the rest of its tokens, capped by
@@ -341,6 +354,7 @@ class PagedScheduler(Scheduler):
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
+        self.beam_search.on_preempt(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -359,6 +373,7 @@ class PagedScheduler(Scheduler):
         req = self.requests.get(request_id)
         if req is not None and req in self.swapped:
             self.swapped.remove(req)
+        self.beam_search.on_finish(self, request_id)
         return super().finish_request(request_id, status, stop_reason)
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
@@ -415,6 +430,7 @@ class PagedScheduler(Scheduler):
             elif child.num_output_tokens >= child.sampling_params.max_tokens:
                 self.finish_request(child.request_id, RequestStatus.FINISHED_LENGTH)
                 finished.append(child)
+        finished.extend(self.beam_search.update(self, output, result))  # issue 5: beam search
         return finished
 
     def _release(self, request: Request) -> None:

@@ -6,6 +6,13 @@ sequence. Everything else (``LLMEngine``, ``PagedScheduler``/``StaticScheduler``
 step records) is the very code the real engine runs, so simulator-vs-real error measures the cost
 model and nothing else.
 
+Beam search (issue 5) runs the real ``BeamSearch`` bookkeeping on synthetic candidates: every beam proposes
+the same 2W log-probabilities -1, -2, ..., -2W for the placeholder token (never EOS), so each step decodes
+``beam_width`` sequences until ``max_tokens``, the best beam forks (sharing blocks, copy-on-write of its
+partly filled block) and the others are freed. What it models: W decode rows per step and their KV blocks
+and copies; what it does not: which beams a real model keeps (real beams fork less often) or EOS ending a
+search early, and block copies are not charged (a copy-on-write copy is one block).
+
 ``simulate`` runs an event heap with a virtual clock, as Vidur does: ``ArrivalEvent`` (a request enters
 the scheduler) and ``StepEndEvent`` (the engine finishes a step and may start the next one).
 """
@@ -16,6 +23,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from engines.beam_search import num_candidates, synthetic_candidates
 from engines.config import DEFAULT_SWAP_BANDWIDTH
 from engines.cost_model import CostModel
 from engines.llm_engine import LLMEngine, RequestOutput
@@ -61,11 +69,17 @@ class CostModelExecutor:
         swap_time = n_swap * self.block_bytes / self.swap_bandwidth if n_swap else 0.0
         dt = self.cost_model.predict(out.seqs) + swap_time
         self.clock.now += dt
-        sampled = {s.request_id: PLACEHOLDER_TOKEN for s in out.seqs if s.sample and not s.is_padding}
+        sampled, beams = {}, {}
         for s in out.seqs:
-            if s.sample:
-                sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
-        return StepResult(sampled, dt, swap_time)
+            if not s.sample or s.is_padding:
+                continue
+            if s.sampling_params.use_beam_search:  # issue 5: synthetic candidates, see the module docstring
+                beams[s.request_id] = synthetic_candidates(num_candidates(s.sampling_params.beam_width),
+                                                           PLACEHOLDER_TOKEN)
+                continue
+            sampled[s.request_id] = PLACEHOLDER_TOKEN
+            sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
+        return StepResult(sampled, dt, swap_time, beam_candidates=beams)
 
     def release(self, request_id: str) -> None:
         pass

@@ -59,6 +59,8 @@ def generate(
     kv_cache_tokens: Optional[int] = typer.Option(None),
     max_model_len: Optional[int] = typer.Option(None),
     as_json: bool = typer.Option(False, "--json", help='print {"outputs": [{"prompt", "token_ids", "text"}]}'),
+    beam_width: int = typer.Option(1, help="beam search when > 1 (deterministic; prints every hypothesis)"),
+    length_penalty: float = typer.Option(1.0, help="beam search: score = logprob / length ** length_penalty"),
 ) -> None:
     """Generate completions for all prompts as one batch."""
     import torch
@@ -76,16 +78,25 @@ def generate(
     except (ModelNotFoundError, ValueError) as e:
         fail(str(e))
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                        stop=list(stop), ignore_eos=ignore_eos)
+                        stop=list(stop), ignore_eos=ignore_eos, beam_width=beam_width, length_penalty=length_penalty)
+    bad = sp.validate()
+    if bad:
+        fail(bad)
     outs = llm.generate(list(prompt), sp, chat=chat)
     if as_json:
         payload = [{"prompt": o.prompt, "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
-                    **({"error": o.error} if o.error else {})} for o in outs]
+                    **({"error": o.error} if o.error else {}),
+                    **({"beams": [{"token_ids": b.token_ids, "text": b.text, "score": b.beam_score,
+                                   "finish_reason": b.finish_reason} for b in o.outputs]} if beam_width > 1 else {})}
+                   for o in outs]
         typer.echo(json.dumps({"outputs": payload}, ensure_ascii=False))
     else:
         for o in outs:
             if o.error:
                 typer.echo(f"[rejected] {o.error}", err=True)
+            elif beam_width > 1:
+                for b in o.outputs:
+                    typer.echo(f"[{b.beam_score:.4f}] {b.text}")
             else:
                 typer.echo(o.text)
     if any(o.error for o in outs):
