@@ -23,8 +23,11 @@ FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
 
 
 def step_features(seqs) -> dict[str, float]:
-    """Features of one step from its scheduled sequences (``ScheduledSeq``)."""
-    tokens = decode_ctx = prefill_attn = sampled = 0
+    """Features of one step from its scheduled sequences (``ScheduledSeq``).
+
+    ``prefill_ctx`` = sum over prefill chunks of n * start (query x cached-key pairs: what a chunk after
+    the first, or a chunk after a prefix-cache hit, attends to beyond its own tokens)."""
+    tokens = decode_ctx = prefill_attn = prefill_ctx = sampled = 0
     for s in seqs:
         n = s.num_tokens
         tokens += n
@@ -32,9 +35,11 @@ def step_features(seqs) -> dict[str, float]:
             decode_ctx += s.start_pos + 1
         else:
             prefill_attn += n * (s.start_pos + n)
+            prefill_ctx += n * s.start_pos
         if s.sample and not s.is_padding:
             sampled += 1
-    return {"const": 1.0, "tokens": tokens, "decode_ctx": decode_ctx, "prefill_attn": prefill_attn, "sampled": sampled}
+    return {"const": 1.0, "tokens": tokens, "decode_ctx": decode_ctx, "prefill_attn": prefill_attn,
+            "prefill_ctx": prefill_ctx, "sampled": sampled}
 
 
 @dataclass
@@ -56,10 +61,12 @@ class CostModel:
     def predict_features(self, f: dict[str, float]) -> float:
         """Seconds for a step with features ``f``. With measured tables, the model body's time is
         interpolated over the step's token count (CPU GEMM time is far from linear at small batch
-        sizes) and the LM head's over sampled rows; the linear terms then add attention work."""
+        sizes; the table's prefill chunks include their own causal attention) and the LM head's over
+        sampled rows; the linear terms then add attention over cached context: decode rows'
+        (``decode_ctx``) and prefill chunks' that start after cached tokens (``prefill_ctx``)."""
         if self.body_table:
             t = _interp(self.body_table, f["tokens"]) + _interp(self.lm_table, f["sampled"])
-            return max(0.0, t + sum(self.coef.get(k, 0.0) * f[k] for k in ("decode_ctx", "prefill_attn")))
+            return max(0.0, t + sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in ("decode_ctx", "prefill_ctx")))
         return max(0.0, sum(self.coef.get(k, 0.0) * f[k] for k in FEATURES))
 
     def predict(self, seqs) -> float:

@@ -39,7 +39,8 @@ def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
     return statistics.median(ts)
 
 
-def _batch(decode_rows: int, ctx: int, prefill: int, block_size: int, num_blocks: int) -> SchedulerOutput:
+def _batch(decode_rows: int, ctx: int, prefill: int, block_size: int, num_blocks: int,
+           prefill_start: int = 0) -> SchedulerOutput:
     sp = SamplingParams(max_tokens=1, temperature=0)
     seqs, nxt = [], 0
 
@@ -53,7 +54,8 @@ def _batch(decode_rows: int, ctx: int, prefill: int, block_size: int, num_blocks
     for i in range(decode_rows):
         seqs.append(ScheduledSeq(f"d{i}", [100], ctx - 1, blocks(ctx), True, sp))
     if prefill:
-        seqs.append(ScheduledSeq("p", [100 + (j % 1000) for j in range(prefill)], 0, blocks(prefill), True, sp))
+        seqs.append(ScheduledSeq("p", [100 + (j % 1000) for j in range(prefill)], prefill_start,
+                                 blocks(prefill_start + prefill), True, sp))
     return SchedulerOutput(seqs)
 
 
@@ -103,14 +105,17 @@ def fit_with_holdout(rows: list[tuple[dict, float]], holdout_frac: float = 0.25,
 
 
 BODY_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
-CTX_POINTS = [(4, 512), (8, 768), (16, 512), (32, 384), (64, 256), (64, 512)]
+CTX_POINTS = [(4, 512), (8, 768), (16, 512), (32, 384), (64, 256), (64, 512), (8, 1536), (16, 1024), (32, 1024)]
+# (chunk tokens, cached tokens before it): later chunks of a chunked prefill, prefills after a prefix hit
+PREFILL_CTX_POINTS = [(32, 1024), (64, 512), (128, 1024), (256, 256), (256, 768), (512, 1024)]
 
 
 def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], None] | None = None,
                    body_tokens: list[int] | None = None, ctx_points: list[tuple[int, int]] | None = None) -> CostModel:
     """Measure the model body's time per token count (one prefill chunk, no cached context), the LM
     head's per sampled rows, then fit the seconds per decode-context token on decode batches with long
-    contexts (residual after the tables). Returns a table-based ``CostModel``; ``fit_error`` is its
+    contexts and the seconds per query x cached-key pair on prefill chunks that start after cached
+    tokens (each a least-squares fit of the residual after the tables). Returns a table-based ``CostModel``; ``fit_error`` is its
     relative error on the decode batches and on mixed batches it was not fitted on."""
     import torch
 
@@ -118,7 +123,7 @@ def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], No
     ctx_points = ctx_points or CTX_POINTS
     bs, nb = executor.kv.block_size, executor.kv.num_blocks
     model = executor.model
-    total = len(body_tokens) * 2 + len(ctx_points) + len(DEFAULT_GRID["mixed"])
+    total = len(body_tokens) * 2 + len(ctx_points) + len(PREFILL_CTX_POINTS) + len(DEFAULT_GRID["mixed"])
     done = 0
 
     def tick():
@@ -150,6 +155,15 @@ def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], No
     num = sum((t - cm.predict_features(f)) * f["decode_ctx"] for f, t in rows)
     den = sum(f["decode_ctx"] ** 2 for f, t in rows)
     cm.coef["decode_ctx"] = max(0.0, num / den) if den else 0.0
+    prows = []
+    for p, start in PREFILL_CTX_POINTS:
+        out = _batch(0, 0, p, bs, nb, prefill_start=start)
+        prows.append((step_features(out.seqs), timed(lambda: executor.execute(out))))
+        tick()
+    num = sum((t - cm.predict_features(f)) * f["prefill_ctx"] for f, t in prows)
+    den = sum(f["prefill_ctx"] ** 2 for f, t in prows)
+    cm.coef["prefill_ctx"] = max(0.0, num / den) if den else 0.0
+    rows += prows
     held = []
     for b, c, p in DEFAULT_GRID["mixed"]:
         out = _batch(b, c, p, bs, nb)
@@ -157,6 +171,6 @@ def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], No
         tick()
     fit_errs = [abs(cm.predict_features(f) - t) / t for f, t in rows]
     held_errs = [abs(cm.predict_features(f) - t) / t for f, t in held]
-    cm.fit_error = {"decode_mean_abs_rel": sum(fit_errs) / len(fit_errs), "holdout_mean_abs_rel": sum(held_errs) / len(held_errs),
+    cm.fit_error = {"fit_mean_abs_rel": sum(fit_errs) / len(fit_errs), "holdout_mean_abs_rel": sum(held_errs) / len(held_errs),
                     "holdout_max_abs_rel": max(held_errs), "n_holdout": len(held), "n_points": total}
     return cm

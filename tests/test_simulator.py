@@ -76,4 +76,4 @@ def test_step_features():
     sp = SamplingParams()
     seqs = [ScheduledSeq("a", [1], 99, [0], True, sp), ScheduledSeq("b", [1] * 10, 20, [0], False, sp)]
     f = step_features(seqs)
-    assert f == {"const": 1.0, "tokens": 11, "decode_ctx": 100, "prefill_attn": 300, "sampled": 1}
+    assert f == {"const": 1.0, "tokens": 11, "decode_ctx": 100, "prefill_attn": 300, "prefill_ctx": 200, "sampled": 1}
