@@ -17,7 +17,7 @@ from engines.detokenizer import IncrementalDetokenizer
 from engines.kv_cache_manager import ContiguousKVCacheManager, PagedKVCacheManager
 from engines.request import Request, RequestStatus
 from engines.sampling_params import SamplingParams
-from engines.scheduler import PagedScheduler, Scheduler
+from engines.scheduler import PagedScheduler, Scheduler, SchedulerOutput
 from engines.static_scheduler import StaticScheduler
 
 DEFAULT_KV_CACHE_TOKENS = 65536
@@ -139,7 +139,7 @@ class LLMEngine:
         start = self.clock()
         result = self.executor.execute(out)
         now = self.clock()
-        self._last_swap_time = getattr(result, "swap_time", 0.0)
+        self._last_swap_time = result.swap_time
         self._record(out, start, now - start)
         for seq in out.seqs:
             if seq.is_padding:
@@ -243,19 +243,20 @@ class LLMEngine:
                 kv_reserved=kv.reserved,
                 kv_internal_frag=kv.internal_frag,
                 kv_external_frag=kv.external_frag,
-                **self._issue5_fields(out),
+                **self._memory_fields(out),
             )
         )
 
-    def _issue5_fields(self, out) -> dict:
+    def _memory_fields(self, out: SchedulerOutput) -> dict:
+        """Issue-5 step fields: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing."""
         block_bytes = getattr(self.executor, "block_bytes", 0)
-        n_out, n_in = len(getattr(out, "blocks_to_swap_out", ())), len(getattr(out, "blocks_to_swap_in", ()))
+        n_out, n_in = len(out.blocks_to_swap_out), len(out.blocks_to_swap_in)
         kv = getattr(self.scheduler, "kv", None)
         return dict(
-            prefix_cache_queries=getattr(out, "prefix_cache_queries", 0),
-            prefix_cache_hits=getattr(out, "prefix_cache_hits", 0),
-            num_preemptions_swap=getattr(out, "num_preempted_swap", 0),
-            num_swapped=getattr(out, "num_swapped", 0),
+            prefix_cache_queries=out.prefix_cache_queries,
+            prefix_cache_hits=out.prefix_cache_hits,
+            num_preemptions_swap=out.num_preempted_swap,
+            num_swapped=out.num_swapped,
             swap_out_blocks=n_out,
             swap_in_blocks=n_in,
             swap_bytes=(n_out + n_in) * block_bytes,

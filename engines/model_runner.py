@@ -47,9 +47,13 @@ class KVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` inside the pool (all layers, K and V)."""
         if pairs:
-            src = torch.tensor([p[0] for p in pairs])
-            dst = torch.tensor([p[1] for p in pairs])
+            src, dst = _block_index(pairs)
             self.data[:, :, dst] = self.data[:, :, src]
+
+
+def _block_index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[(src, dst)]`` block pairs as two index tensors ``[len(pairs)]`` (int64)."""
+    return torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
 
 
 class SwapSpace:
@@ -64,15 +68,13 @@ class SwapSpace:
     def swap_out(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: ``pairs`` = ``[(device block, cpu block)]``."""
         if pairs:
-            src = torch.tensor([p[0] for p in pairs])
-            dst = torch.tensor([p[1] for p in pairs])
+            src, dst = _block_index(pairs)
             self.data[:, :, dst] = kv.data[:, :, src].to("cpu")
 
     def swap_in(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks to device blocks: ``pairs`` = ``[(cpu block, device block)]``."""
         if pairs:
-            src = torch.tensor([p[0] for p in pairs])
-            dst = torch.tensor([p[1] for p in pairs])
+            src, dst = _block_index(pairs)
             kv.data[:, :, dst] = self.data[:, :, src].to(kv.data.device)
 
 
@@ -144,16 +146,13 @@ class ModelExecutor:
     def _copy_blocks(self, out: SchedulerOutput) -> float:
         """Run the step's swap-outs, swap-ins and block copies (in that order); returns the seconds the
         swaps took."""
-        swap_out = getattr(out, "blocks_to_swap_out", None)
-        swap_in = getattr(out, "blocks_to_swap_in", None)
-        if swap_out or swap_in:
+        swap_time = 0.0
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
             t = time.perf_counter()
-            self.swap.swap_out(self.kv, swap_out)
-            self.swap.swap_in(self.kv, swap_in)
+            self.swap.swap_out(self.kv, out.blocks_to_swap_out)
+            self.swap.swap_in(self.kv, out.blocks_to_swap_in)
             swap_time = time.perf_counter() - t
-        else:
-            swap_time = 0.0
-        self.kv.copy_blocks(getattr(out, "blocks_to_copy", None))
+        self.kv.copy_blocks(out.blocks_to_copy)
         return swap_time
 
     def _prepare(self, seqs: list[ScheduledSeq]):
