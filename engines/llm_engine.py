@@ -331,7 +331,9 @@ class LLM:
         max_batch_size, reservation: static baseline knobs.
         seed: seed of the shared sampling generator.
         step_delay_s: test-only: busy-wait added to every step.
-        attention_backend: decode attention: ``auto`` (compiled CPU kernel when float32), ``torch``, ``cpp``.
+        attention_backend: attention kernels: ``auto`` (Triton on CUDA; on CPU the compiled kernel when
+            float32), ``torch`` (reference), ``cpp`` (CPU), ``triton`` (interpreter on CPU).
+        device: ``auto`` (default: CUDA when torch sees a GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         enable_prefix_caching: automatic prefix caching (paged; default on).
         enable_chunked_prefill: split prompts across steps (paged; default on).
         long_prefill_token_threshold: most prompt tokens of one request per step (0 = no cap).
@@ -341,7 +343,7 @@ class LLM:
 
     Raises:
         ModelNotFoundError: ``model`` is neither a known name nor a folder.
-        ValueError: a bad knob (unknown engine, dtype or reservation policy).
+        ValueError: a bad knob (unknown engine, dtype, reservation policy or device; ``cuda`` without a GPU).
     """
 
     def __init__(
@@ -365,11 +367,12 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         preemption_mode: str = "recompute",
         swap_space_bytes: int = 0,
+        device: str = "auto",
     ):
         import torch
         from transformers import AutoTokenizer
 
-        from engines.model import LlamaModel
+        from engines.model import LlamaModel, resolve_device
         from engines.model_runner import ModelExecutor
         from engines.model_store import resolve_model
 
@@ -378,6 +381,7 @@ class LLM:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         if reservation not in ("max", "pow2", "oracle"):
             raise ValueError(f"reservation must be max, pow2 or oracle, got {reservation!r}")
+        resolve_device(device)  # a bad device fails before the weights load
         self.model_dir = resolve_model(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -400,7 +404,7 @@ class LLM:
         elt = torch.tensor([], dtype=dtypes[dtype]).element_size()
         num_blocks = cache.num_blocks(mc.kv_bytes_per_token(elt), DEFAULT_KV_CACHE_TOKENS)
         num_cpu_blocks = cache.num_cpu_blocks(mc.kv_bytes_per_token(elt)) if engine == "paged" else 0
-        model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype], attention_backend)
+        model_obj = LlamaModel.from_dir(self.model_dir, dtypes[dtype], attention_backend, device)
         executor = ModelExecutor(model_obj, num_blocks, block_size, seed=seed, step_delay_s=step_delay_s,
                                  num_cpu_blocks=num_cpu_blocks)
         self.engine = LLMEngine(build_scheduler(engine, sched_cfg, num_blocks, block_size, num_cpu_blocks),

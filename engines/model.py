@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,46 +74,75 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
+DEVICES = ("auto", "cpu", "cuda")
 
 
-def _pick_decode_attention(backend: str, dtype: torch.dtype):
-    """Decode attention implementation: ``torch`` (reference, any dtype), ``cpp`` (compiled CPU kernel,
-    float32), ``triton`` (``kernels.triton_attention``; interpreter on CPU) or ``auto`` (cpp when float32
-    and it builds, else torch; on a machine with CUDA and Triton, CUDA tensors go to the Triton kernel).
+def resolve_device(device: str) -> torch.device:
+    """The torch device of a ``device`` knob: ``cpu``, ``cuda`` / ``cuda:N``, or ``auto`` (the first CUDA
+    device when torch sees one, else the CPU).
 
     Raises:
-        ValueError: unknown backend, or ``cpp``/``triton`` requested but unavailable.
+        ValueError: an unknown name, or ``cuda`` asked for where torch sees no CUDA device.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if re.fullmatch(r"cuda(:\d+)?", device or ""):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device here (torch {torch.__version__}); "
+                             "use device cpu or auto")
+        return torch.device(device)
+    raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {device!r}")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The attention implementations a model uses, picked once for its device and dtype.
+
+    Attributes:
+        decode: ``paged_attention_decode``-shaped function (one query token per sequence).
+        prefill: ``paged_attention_prefill``-shaped function (a chunk after cached context).
+        fused_cpu: True when the compiled CPU ops (``kernels.cpu_ops``) run the whole layer.
+        name: what was picked, for logs and results (``cpp``, ``torch``, ``triton``).
+    """
+
+    decode: object
+    prefill: object
+    fused_cpu: bool
+    name: str
+
+
+def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> AttentionOps:
+    """Attention implementations for a model on ``device``.
+
+    ``torch``: the PyTorch reference (any device, any dtype). ``cpp``: the compiled CPU kernel (CPU,
+    float32). ``triton``: ``kernels.triton_attention`` (CUDA; on CPU it runs in Triton's interpreter,
+    which is how the tests exercise it). ``auto``: on CUDA the Triton kernels (the reference if Triton
+    is not installed); on CPU the compiled kernel when float32 and it builds, else the reference.
+
+    Raises:
+        ValueError: unknown backend, or ``cpp``/``triton`` requested but unavailable on this device.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    reference = AttentionOps(paged_attention_decode, paged_attention_prefill, False, "torch")
     if backend == "torch":
-        return paged_attention_decode
-    # -- issue 7: Triton kernels
-    if backend == "triton":
-        return _triton_ops(required=True).paged_attention_decode
-    cpu_fn = _pick_cpu_decode_attention(backend, dtype)
-    if backend == "auto" and torch.cuda.is_available():
-        ops = _triton_ops()
-        if ops is not None:
-            return _by_device(ops.paged_attention_decode, cpu_fn)
-    return cpu_fn
-
-
-def _pick_cpu_decode_attention(backend: str, dtype: torch.dtype):
-    """``cpp`` or ``auto`` on CPU tensors (see ``_pick_decode_attention``)."""
+        return reference
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        ops = _triton_ops(required=backend == "triton")
+        if ops is None:
+            return reference
+        return AttentionOps(ops.paged_attention_decode, ops.paged_attention_prefill, False, "triton")
     from kernels import cpu_ops
 
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpp' is a CPU kernel; the model is on {device}")
     if dtype == torch.float32 and cpu_ops.available():
-        return cpu_ops.paged_attention_decode
+        return AttentionOps(cpu_ops.paged_attention_decode, paged_attention_prefill, True, "cpp")
     if backend == "cpp":
         raise ValueError("attention_backend 'cpp' needs float32 and a C++ compiler")
-    return paged_attention_decode
-
-
-def _cpp_decode():
-    from kernels import cpu_ops
-
-    return cpu_ops.paged_attention_decode
+    return reference
 
 
 def _triton_ops(required: bool = False):
@@ -124,14 +154,6 @@ def _triton_ops(required: bool = False):
             raise ValueError(f"attention_backend 'triton' needs the triton package ({e})") from None
         return None
     return triton_attention
-
-
-def _by_device(cuda_fn, cpu_fn):
-    """Attention that calls ``cuda_fn`` for CUDA tensors and ``cpu_fn`` otherwise."""
-    def attend(q, *args, **kwargs):
-        return (cuda_fn if q.is_cuda else cpu_fn)(q, *args, **kwargs)
-    attend.cpu_fn = cpu_fn
-    return attend
 
 
 def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -153,21 +175,24 @@ class LlamaModel:
         cfg: architecture.
         weights: Hugging Face tensor names -> tensors.
         dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+        attention_backend: see :func:`pick_attention`.
+        device: ``cpu`` (default), ``cuda``/``cuda:N`` or ``auto`` (see :func:`resolve_device`); weights,
+            RoPE tables and (through the executor) the KV cache and step tensors live there.
 
     Raises:
         KeyError: a weight the architecture needs is missing.
+        ValueError: a bad backend or device (one line).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", device: str = "cpu"):
         self.cfg, self.dtype = cfg, dtype
-        self.decode_attention = _pick_decode_attention(attention_backend, dtype)
-        # compiled CPU ops available (the CPU choice is the cpp kernel)
-        self.fused = getattr(self.decode_attention, "cpu_fn", self.decode_attention) is _cpp_decode()
-        # issue 7: chunked-prefill attention over cached context by Triton for CUDA tensors (or when asked)
-        self.triton_ops = _triton_ops() if attention_backend == "triton" or torch.cuda.is_available() else None
-        self.triton_prefill_always = attention_backend == "triton"
-        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.device = resolve_device(device)
+        # issue 7: on CUDA the Triton kernels, on CPU the compiled kernel (or the reference)
+        self.attention = pick_attention(attention_backend, dtype, self.device)
+        self.decode_attention = self.attention.decode
+        self.fused = self.attention.fused_cpu
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.norm = w["model.norm.weight"]
@@ -195,13 +220,14 @@ class LlamaModel:
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, self.sin = emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
         self.scale = cfg.head_dim**-0.5
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> "LlamaModel":
+    def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
+                 device: str = "cpu") -> "LlamaModel":
         model_dir = Path(model_dir)
-        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend)
+        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend, device)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -292,10 +318,7 @@ class LlamaModel:
             if start == 0:  # nothing cached before: attend to this step's own K/V
                 out[sl] = causal_attention(q[sl], k[sl], v[sl], 0, self.scale)
             else:
-                prefill = paged_attention_prefill
-                if self.triton_ops is not None and (q.is_cuda or self.triton_prefill_always):
-                    prefill = self.triton_ops.paged_attention_prefill
-                out[sl] = prefill(q[sl], kc, vc, table, start, self.scale)
+                out[sl] = self.attention.prefill(q[sl], kc, vc, table, start, self.scale)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

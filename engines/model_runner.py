@@ -47,42 +47,43 @@ class KVCache:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` inside the pool (all layers, K and V)."""
         if pairs:
-            src, dst = _block_index(pairs)
+            src, dst = _block_index(pairs, self.data.device)
             self.data[:, :, dst] = self.data[:, :, src]
 
 
-def _block_index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[(src, dst)]`` block pairs as two index tensors ``[len(pairs)]`` (int64)."""
-    return torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])
+def _block_index(pairs: list[tuple[int, int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``[(src, dst)]`` block pairs as two index tensors ``[len(pairs)]`` (int64) on ``device``."""
+    return (torch.tensor([p[0] for p in pairs], device=device), torch.tensor([p[1] for p in pairs], device=device))
 
 
 class SwapSpace:
-    """CPU swap pool ``[layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]`` (ordinary, not
-    pinned, memory; on a CPU-only machine the "device" pool is CPU memory too, so a swap is a memcpy)."""
+    """CPU swap pool ``[layers, 2, num_cpu_blocks, block_size, num_kv_heads, head_dim]``: pinned memory
+    when the KV cache is on a CUDA device (as vLLM's swap space), ordinary memory otherwise (on a CPU-only
+    machine the "device" pool is CPU memory too, so a swap is a memcpy)."""
 
     def __init__(self, kv: KVCache, num_cpu_blocks: int) -> None:
         shape = list(kv.data.shape)
         shape[2] = num_cpu_blocks
-        self.data = torch.zeros(shape, dtype=kv.data.dtype, device="cpu")
+        self.data = torch.zeros(shape, dtype=kv.data.dtype, device="cpu", pin_memory=kv.data.is_cuda)
 
     def swap_out(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: ``pairs`` = ``[(device block, cpu block)]``."""
         if pairs:
             src, dst = _block_index(pairs)
-            self.data[:, :, dst] = kv.data[:, :, src].to("cpu")
+            self.data[:, :, dst] = kv.data[:, :, src.to(kv.data.device)].to("cpu")
 
     def swap_in(self, kv: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy CPU blocks to device blocks: ``pairs`` = ``[(cpu block, device block)]``."""
         if pairs:
             src, dst = _block_index(pairs)
-            kv.data[:, :, dst] = self.data[:, :, src].to(kv.data.device)
+            kv.data[:, :, dst.to(kv.data.device)] = self.data[:, :, src].to(kv.data.device)
 
 
 class ModelExecutor:
     """Runs real forward passes.
 
     Args:
-        model: the loaded model.
+        model: the loaded model; the KV cache and every step's tensors go to its ``device``.
         num_blocks, block_size: KV pool geometry (must match the scheduler's KV manager).
         seed: seed of the shared sampling generator.
         step_delay_s: test-only knob: extra seconds of busy work added to every step.
@@ -91,7 +92,8 @@ class ModelExecutor:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, step_delay_s: float = 0.0,
                  num_cpu_blocks: int = 0):
         self.model = model
-        self.kv = KVCache(model.cfg, num_blocks, block_size, model.dtype)
+        self.device = model.device
+        self.kv = KVCache(model.cfg, num_blocks, block_size, model.dtype, self.device)
         self.sampler = Sampler(seed)
         self.step_delay_s = step_delay_s
         self.swap = SwapSpace(self.kv, num_cpu_blocks) if num_cpu_blocks else None
@@ -127,7 +129,7 @@ class ModelExecutor:
                     rows.append(last_idx[s.request_id])
                     ids.append(cid)
                     params.append(cp)
-            logits = self.model.compute_logits(hidden[torch.tensor(rows)])
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             beam = [i for i, p in enumerate(params) if p.use_beam_search]  # issue 5: beam rows give candidates
             if beam:
                 width = max(params[i].beam_width for i in beam)
@@ -137,10 +139,12 @@ class ModelExecutor:
             toks = self.sampler.sample(logits, ids, params) if ids else []
             sampled = dict(zip(ids, toks))
             if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
-                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)]
+                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)].cpu()
                 logprobs = dict(zip(ids, lp.tolist()))
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
+        if self.device.type == "cuda":  # a step that samples nothing has not waited for the GPU yet
+            torch.cuda.synchronize(self.device)
         return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs, beam_cands)
 
     def _copy_blocks(self, out: SchedulerOutput) -> float:
@@ -172,15 +176,20 @@ class ModelExecutor:
                 dec_tables.append(table)
                 dec_lens.append(s.context_len)
             else:
-                prefills.append((off, s.num_tokens, s.start_pos, torch.tensor(table[: -(-s.context_len // bs)])))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots), prefills=prefills)
+                prefills.append((off, s.num_tokens, s.start_pos, self._tensor(table[: -(-s.context_len // bs)])))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
         if dec_tables:
             width = max(-(-n // bs) for n in dec_lens)
             padded = [t[:width] + [t[0]] * (width - len(t[:width])) for t in dec_tables]
             meta.num_decode_tokens = len(dec_tables)
-            meta.decode_block_tables = torch.tensor(padded)
-            meta.decode_context_lens = torch.tensor(dec_lens)
-        return torch.tensor(ids), torch.tensor(pos), meta, last_idx
+            meta.decode_block_tables = self._tensor(padded)
+            meta.decode_context_lens = self._tensor(dec_lens)
+        return self._tensor(ids), self._tensor(pos), meta, last_idx
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        """int64 tensor on the model's device (built on the CPU, then copied: one copy per tensor)."""
+        t = torch.tensor(values)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
 
 def beam_candidates(logits: torch.Tensor, beam_width: int) -> list[list[tuple[int, float]]]:

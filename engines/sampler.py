@@ -34,7 +34,7 @@ class Sampler:
         """Pick a token for each row.
 
         Args:
-            logits: ``[N, vocab]`` float32.
+            logits: ``[N, vocab]`` float32 (any device).
             request_ids, params: one per row.
         Returns:
             N token ids.
@@ -42,7 +42,9 @@ class Sampler:
         out = logits.argmax(dim=-1).tolist()
         for i, (rid, p) in enumerate(zip(request_ids, params)):
             if not p.greedy:
-                out[i] = self._sample_row(logits[i], p, self._gen(rid, p))
+                # on the CPU whatever the logits' device: the generators are CPU generators, so a seeded
+                # request samples the same tokens on any device
+                out[i] = self._sample_row(logits[i].cpu(), p, self._gen(rid, p))
         return out
 
     @staticmethod

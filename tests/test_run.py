@@ -52,6 +52,17 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
     assert res["engines"]["static"]["summary"]["kv_waste_frac"] > res["engines"]["paged"]["summary"]["kv_waste_frac"]
     assert res["engines"]["sim-paged"]["summary"]["sim_error"]["real_engine"] == "paged"
     assert res["engines"]["sim-static"]["summary"]["sim_error"]["real_engine"] == "static"
+    # issue 7: where each real engine ran and on which attention kernels (the simulator has no runtime)
+    import torch
+
+    from kernels import cpu_ops
+
+    expect_dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    expect_attn = "triton" if torch.cuda.is_available() else ("cpp" if cpu_ops.available() else "torch")
+    for name in ("paged", "static"):
+        rt = res["engines"][name]["runtime"]
+        assert (rt["device"], rt["attention"]) == (expect_dev, expect_attn) and rt["device_name"]
+    assert "runtime" not in res["engines"]["sim-paged"]
     saved = json.loads((out / "results.json").read_text())
     assert saved["scenario_hash"] and "tpot_ms" in saved["formulas"] and saved["versions"]["torch"]
     html = (out / "report.html").read_text()

@@ -58,6 +58,7 @@ def generate(
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     kv_cache_tokens: Optional[int] = typer.Option(None),
     max_model_len: Optional[int] = typer.Option(None),
+    device: str = typer.Option("auto", help="auto (CUDA when present, else CPU) | cpu | cuda | cuda:N"),
     as_json: bool = typer.Option(False, "--json", help='print {"outputs": [{"prompt", "token_ids", "text"}]}'),
     beam_width: int = typer.Option(1, help="beam search when > 1 (deterministic; prints every hypothesis)"),
     length_penalty: float = typer.Option(1.0, help="beam search: score = logprob / length ** length_penalty"),
@@ -74,7 +75,7 @@ def generate(
         fail(f"--engine must be paged or static, got {engine!r}")
     try:
         llm = LLM(model, engine=engine, dtype=dtype, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-                  seed=seed or 0)
+                  seed=seed or 0, device=device)
     except (ModelNotFoundError, ValueError) as e:
         fail(str(e))
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
@@ -416,6 +417,7 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None),
     max_waiting: int = typer.Option(1024, help="queued requests before new ones get 503 (0 = no limit)"),
     seed: int = typer.Option(0, help="seed of the shared sampling generator"),
+    device: str = typer.Option("auto", help="auto (CUDA when present, else CPU) | cpu | cuda | cuda:N"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, SSE streaming, /metrics)."""
     import torch
@@ -432,7 +434,8 @@ def serve(
         run_server(model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
                    max_waiting=max_waiting or None, engine=engine, dtype=dtype, block_size=block_size,
                    kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed)
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
+                   device=device)
     except (ModelNotFoundError, ValueError, OSError) as e:
         fail(str(e))
 

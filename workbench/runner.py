@@ -45,8 +45,10 @@ def _knobs(spec: EngineSpec) -> dict:
 
 
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
-               on_output: Callable | None = None):
-    """Replay the trace on one engine; returns ``(outputs, steps)``."""
+               on_output: Callable | None = None, runtime: dict | None = None):
+    """Replay the trace on one engine; returns ``(outputs, steps)``. For a real engine, ``runtime`` (if
+    given) gets where it ran: ``device`` (e.g. ``cpu``, ``cuda:0``), ``device_name`` and ``attention``
+    (the kernels picked: ``cpp``, ``torch`` or ``triton``)."""
     if spec.kind == "openai":  # issue 6: the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
 
@@ -69,7 +71,10 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     from engines.llm_engine import LLM
 
     llm = LLM(model_dir, engine=spec.kind, dtype=spec.dtype, seed=scenario.seed,
-              step_delay_s=spec.test_step_delay_s or 0.0, **_knobs(spec))  # issue 4: test-only knob
+              step_delay_s=spec.test_step_delay_s or 0.0, **_knobs(spec),  # issue 4: test-only knob
+              device=spec.device, attention_backend=spec.attention_backend)  # issue 7
+    if runtime is not None:  # issue 7
+        runtime.update(engine_runtime(llm))
     try:
         warm_up(llm)
         outs = replay_realtime(llm.engine, requests, on_output)
@@ -77,6 +82,16 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     finally:
         del llm
         gc.collect()
+
+
+def engine_runtime(llm) -> dict:
+    """Issue 7: ``{"device", "device_name", "attention"}`` of a real engine's model."""
+    import torch
+
+    model = llm.engine.executor.model
+    dev = model.embed.device  # a tensor's device carries the index ("cuda:0")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    return {"device": str(dev), "device_name": name, "attention": model.attention.name}
 
 
 def warm_up(llm) -> None:
@@ -179,7 +194,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     frames = {}
     for spec in scenario.engines:
         cb = progress(spec.name, spec.kind, len(trace)) if progress else None
-        outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb)
+        runtime: dict = {}
+        outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime)
         summary = summarize(outs, steps, len(trace), slo)
         if (spec.policy or spec.kind) == "paged":  # issue 5: the trace's reuse under an unlimited cache
             ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
@@ -187,7 +203,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         if spec.kind == "openai":  # issue 6
             add_openai_server_metrics(summary, outs)
         cfg = spec.model_dump(mode="json", exclude_none=True)
-        results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary}
+        results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary,
+                                         **({"runtime": runtime} if runtime else {})}
         rf, sf = requests_frame(outs), steps_frame(steps)
         edir = out_dir / spec.name
         edir.mkdir(exist_ok=True)

@@ -194,6 +194,9 @@ class EngineSpec(_Model):
             fraction of GPU memory for weights + activations + KV; activation_reserve_gib: override the
             activation reserve; efficiency: overrides of the cost model's efficiency factors;
             speculative_model, num_speculative_tokens, spec_acceptance_rate: speculative decoding.
+        device: real engines only: ``auto`` (default: CUDA when torch sees a GPU, else CPU), ``cpu``,
+            ``cuda`` or ``cuda:N``. attention_backend: real engines only: ``auto`` (Triton on CUDA, the compiled
+            kernel on CPU), ``torch``, ``cpp`` or ``triton`` (issue 7).
         base_url: openai only: the endpoint's API root, e.g. ``http://127.0.0.1:8000/v1`` (required).
         api_key: openai only: sent as ``Authorization: Bearer <api_key>``; ``env:NAME`` reads ``$NAME`` when
             the run starts. Written masked to results.json.
@@ -234,6 +237,10 @@ class EngineSpec(_Model):
     speculative_model: str | None = None
     num_speculative_tokens: int | None = Field(None, ge=1)
     spec_acceptance_rate: float | None = Field(None, ge=0, lt=1)
+
+    # issue 7: where a real engine runs, and its attention kernels
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
 
     # issue 6: kind openai (replay against an OpenAI-compatible endpoint; `model` above names the served model)
     base_url: str | None = None
@@ -276,6 +283,10 @@ class EngineSpec(_Model):
             for name in ("weight_dtype", "kv_cache_dtype", "gpu_memory_utilization"):
                 if getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(f"{name} is only for kind sim (kind is {self.kind})")
+        if self.kind not in ("paged", "static"):
+            for name in ("device", "attention_backend"):
+                if getattr(self, name) != "auto":
+                    raise ValueError(f"{name} is only for real engines (kind paged or static; kind is {self.kind})")
         # issue 6: kind openai
         if self.kind == "openai":
             if not self.base_url or not re.match(r"https?://", self.base_url):
