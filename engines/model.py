@@ -146,12 +146,17 @@ def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> At
 
 
 def _triton_ops(required: bool = False):
-    """``kernels.triton_attention``, or None when Triton is not installed (ValueError if ``required``)."""
+    """``kernels.triton_attention``, or None when Triton is not installed or cannot run its kernels in this
+    process (ValueError if ``required``)."""
     try:
         from kernels import triton_attention
     except ImportError as e:
         if required:
             raise ValueError(f"attention_backend 'triton' needs the triton package ({e})") from None
+        return None
+    if not triton_attention.available():
+        if required:
+            raise ValueError(f"attention_backend 'triton': {triton_attention.NO_INTERPRETER_ERROR}")
         return None
     return triton_attention
 

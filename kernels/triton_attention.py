@@ -15,14 +15,21 @@ float32 accumulators whatever the input dtype.
 
 Without a CUDA device the module sets ``TRITON_INTERPRET=1`` before importing Triton, so the kernels
 run (slowly) in Triton's interpreter on CPU tensors: that is how the tests check them on this machine.
+Triton reads that variable when it is first imported, so a process that imported Triton earlier
+(building a transformers model does) cannot interpret them: ``available()`` is then False, and the
+kernels raise a one-line error saying to set ``TRITON_INTERPRET=1`` in the environment.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+# Triton imported before this module without the interpreter, on a machine with no GPU: kernels cannot run
+_NO_INTERPRETER = (not torch.cuda.is_available() and "triton" in sys.modules
+                   and os.environ.get("TRITON_INTERPRET") != "1")
 if not torch.cuda.is_available():  # pragma: no branch - CPU machines run the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -30,9 +37,18 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
+NO_INTERPRETER_ERROR = ("Triton was imported before kernels.triton_attention without TRITON_INTERPRET=1 and there is "
+                        "no CUDA device, so its kernels cannot run; set TRITON_INTERPRET=1 in the environment")
+
+
 def available() -> bool:
-    """Triton imports (always true here: this module imports it)."""
-    return True
+    """The kernels can run: a CUDA device, or Triton's interpreter (see the module docstring)."""
+    return not _NO_INTERPRETER
+
+
+def _check_runnable() -> None:
+    if _NO_INTERPRETER:
+        raise RuntimeError(NO_INTERPRETER_ERROR)
 
 
 @triton.jit
@@ -149,8 +165,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Raises:
         ValueError: shapes that do not fit together.
+        RuntimeError: the kernels cannot run in this process (see ``available``).
     """
     b, h, d = q.shape
+    _check_runnable()
     bs, group = _check_cache(k_cache, v_cache, h)
     q = q.contiguous()
     bt = block_tables.to(torch.int32).contiguous()
@@ -184,8 +202,10 @@ def paged_attention_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
     Raises:
         ValueError: shapes that do not fit together.
+        RuntimeError: the kernels cannot run in this process (see ``available``).
     """
     t, h, d = q.shape
+    _check_runnable()
     bs, group = _check_cache(k_cache, v_cache, h)
     ns = block_tables.shape[0]
     if cu_seqlens_q.shape != (ns + 1,) or start_pos.shape != (ns,):

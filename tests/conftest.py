@@ -7,6 +7,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter here, whichever test imports Triton first
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

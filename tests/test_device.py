@@ -115,3 +115,17 @@ def test_scenario_device_knobs(tmp_path):
         with pytest.raises(ScenarioError, match=msg) as e:
             load_scenario(scen(engine))
         assert "\n" not in str(e.value)
+
+
+def test_triton_imported_without_the_interpreter_is_a_clear_error(monkeypatch):
+    """Triton reads TRITON_INTERPRET at its first import: if something imported it earlier on a machine
+    without a GPU, asking for the Triton kernels says so in one line instead of failing inside Triton."""
+    triton_attention = pytest.importorskip("kernels.triton_attention")
+    monkeypatch.setattr(triton_attention, "_NO_INTERPRETER", True)
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 in the environment"):
+        pick_attention("triton", torch.float32, torch.device("cpu"))
+    assert pick_attention("auto", torch.float32, torch.device("cuda")).name == "torch"  # falls back
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        triton_attention.paged_attention_decode(torch.zeros(1, 2, 16), torch.zeros(2, 16, 1, 16),
+                                                torch.zeros(2, 16, 1, 16), torch.zeros(1, 1, dtype=torch.long),
+                                                torch.ones(1, dtype=torch.long))
