@@ -3,13 +3,17 @@
 ``paged_attention_decode`` here reads K/V blocks in place through the block table instead of
 gathering them into a padded copy as the PyTorch reference does; on a 2-core machine that copy took
 about a third of a batch-64 decode step. The build takes about a minute once and is cached under
-``$WORKBENCH_CACHE/torch_extensions`` (default ``~/.cache/workbench``). If the build fails (no
+``$WORKBENCH_CACHE/torch_extensions`` (default ``~/.cache/workbench``), one folder per torch version,
+source file and Python environment, so that two checkouts or venvs on one machine do not rebuild it in
+turn. If the build fails (no
 compiler), ``available()`` is False and callers use the reference.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -22,7 +26,8 @@ _failed = False
 
 def _build_dir() -> Path:
     root = Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench")).expanduser()
-    d = root / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}"
+    key = hashlib.sha1(f"{_SRC.resolve()}|{sys.prefix}".encode()).hexdigest()[:10]
+    d = root / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{key}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 

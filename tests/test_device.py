@@ -104,7 +104,7 @@ def test_scenario_device_knobs(tmp_path):
 
     plain = load_scenario(scen("{name: p, kind: paged}"))
     assert (plain.engines[0].device, plain.engines[0].attention_backend) == ("auto", "auto")
-    gpu = load_scenario(scen("{name: p, kind: paged, device: 'cuda:0', attention_backend: triton}"))
+    gpu = load_scenario(scen("{name: p, kind: paged, device: 'cuda:0', attention_backend: triton}"), check_files=False)
     assert gpu.engines[0].device == "cuda:0"
     assert scenario_hash(gpu) != scenario_hash(plain)
     explicit_auto = load_scenario(scen("{name: p, kind: paged, device: auto}"))
@@ -129,3 +129,20 @@ def test_triton_imported_without_the_interpreter_is_a_clear_error(monkeypatch):
         triton_attention.paged_attention_decode(torch.zeros(1, 2, 16), torch.zeros(2, 16, 1, 16),
                                                 torch.zeros(2, 16, 1, 16), torch.zeros(1, 1, dtype=torch.long),
                                                 torch.ones(1, dtype=torch.long))
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU-only behaviour")
+def test_scenario_asking_for_a_missing_gpu_fails_at_load_naming_file_field_and_engine(tmp_path):
+    from workbench.scenario import ScenarioError, load_scenario
+    from workbench.traces import BUILTIN_TRACE_DIR
+
+    shutil.copy(BUILTIN_TRACE_DIR / "azure_conv_slice.csv", tmp_path / "conv.csv")
+    p = tmp_path / "gpu.yaml"
+    p.write_text("name: d\ntrace: {format: azure, path: conv.csv, limit: 4}\nengines:\n"
+                 "  - {name: sim, kind: sim}\n  - name: gpu-paged\n    kind: paged\n    device: cuda\n")
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: engines.1.device: device 'cuda': torch sees no CUDA device")
+    assert msg.endswith("(engine gpu-paged, line 7)")
+    assert load_scenario(p, check_files=False).engines[1].device == "cuda"  # written here, run on a GPU machine

@@ -76,6 +76,13 @@ def test_cli_run_and_clear_errors(scenario_file, tmp_path):
                                  "--set", "engines.paged.max_num_seqs=4"])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o" / "report.html").exists()
+    # a cost model 1000x too slow: the run says the simulator is off and how to refit it
+    CostModel({"const": 2.0, "tokens": 0.1, "decode_ctx": 0, "prefill_attn": 0, "sampled": 0}).save(
+        scenario_file.parent / "slow.json")
+    r = CliRunner().invoke(app, ["run", str(scenario_file), "--out", str(tmp_path / "o2"),
+                                 "--set", "engines.sim-paged.cost_model=slow.json"])
+    assert r.exit_code == 0, r.output
+    assert "note: a simulator is more than 15% off its real engine" in r.output and "workbench profile" in r.output
     bad = tmp_path / "bad.yaml"
     bad.write_text(scenario_file.read_text().replace("reservation: max", "reservation: maxx"))
     r = CliRunner().invoke(app, ["run", str(bad)])

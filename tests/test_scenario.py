@@ -145,7 +145,7 @@ def test_missing_file_and_yaml_syntax(tmp_path):
 
 
 @pytest.mark.parametrize("old, new, field, what", [
-    ("reservation: pow2", "reservation: maxx", "engines.1.reservation", "'max', 'pow2' or 'oracle', got 'maxx' (line 16)"),
+    ("reservation: pow2", "reservation: maxx", "engines.1.reservation", "'max', 'pow2' or 'oracle', got 'maxx' (engine static, line 16)"),
     ("    max_batch_size: 8", "    max_batch_sise: 8", "engines.1.max_batch_sise", "unknown field; allowed: name, kind"),
     ("  limit: 40", "  limt: 40", "trace.limt", "unknown field; allowed: format, path, limit"),
     ("name: conv-small\n", "", "name", "required field is missing"),
@@ -161,7 +161,7 @@ def test_missing_file_and_yaml_syntax(tmp_path):
     ("{name: sim-paged, kind: sim}", "{name: sim-paged, kind: sim, cost_model: builtin:gpu}", "engines.2",
      "builtin cost models: builtin:cpu"),
     ("{name: sim-paged, kind: sim}", "{name: sim-paged, kind: sim, cost_model: prof.json}", "engines.2.cost_model",
-     "no such file"),
+     "(engine sim-paged"),
     ("path: traces/conv.csv", "path: traces/other.csv", "trace.path", "no such file"),
     ("path: traces/conv.csv", "path: builtin:nope.csv", "trace.path", "builtin traces: azure_code_slice.csv"),
     ("  path: traces/conv.csv\n", "", "trace", "format azure needs a path"),

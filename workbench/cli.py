@@ -175,12 +175,13 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
                   TextColumn("{task.fields[tps]}"), TimeElapsedColumn(), console=console) as prog:
         def progress(name, kind, total):
             task = prog.add_task(f"{name} ({kind})", total=total, tps="")
-            toks = [0]
+            toks, start = [0], [None]
 
-            def on_output(o):
+            def on_output(o):  # output tok/s since the replay's first arrival (not counting model load)
                 toks[0] += len(o.token_ids)
-                el = prog.tasks[task].elapsed or 0
-                prog.update(task, advance=1, tps=f"{toks[0] / el:.0f} out tok/s (wall)" if kind != "sim" and el else "")
+                start[0] = o.arrival_time if start[0] is None else min(start[0], o.arrival_time)
+                el = (o.finished_time or o.arrival_time) - start[0]
+                prog.update(task, advance=1, tps=f"{toks[0] / el:.0f} out tok/s so far" if kind != "sim" and el > 0 else "")
             return on_output
 
         try:
@@ -203,6 +204,11 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
     sh, sr = sim_error_rows(results)
     for r in sr:
         typer.echo(f"sim {r[0]} vs {r[1]}: output throughput {r[2]}, E2EL p50 {r[3]}, p99 {r[4]}")
+    if any(abs(v) > 0.15 for e in results["engines"].values()
+           for k, v in (e["summary"].get("sim_error") or {}).items() if k != "real_engine" and v is not None):
+        typer.echo("note: a simulator is more than 15% off its real engine. Its cost model was fitted on another "
+                   "machine (builtin:cpu) or at another speed; refit it here with `workbench profile --out p.json` "
+                   "and set the sim engines' cost_model: p.json")
     typer.echo(f"report: {out_dir / 'report.html'}")
     typer.echo(str(out_dir))
 
@@ -326,7 +332,7 @@ def kv_calc_cmd(model: str = typer.Option(..., "--model", help="catalogue model,
                 block_size: int = typer.Option(16, "--block-size"),
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """KV bytes per token and per request; with --hardware: whether the weights fit, KV blocks and
-    concurrent requests of --tokens tokens (issue 7)."""
+    concurrent requests of --tokens tokens."""
     from engines.catalog import CatalogError
     from workbench.kv_calc import format_kv_calc, kv_calc
 
@@ -348,7 +354,7 @@ def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = type
                    prompt_tokens: int = typer.Option(512), output_tokens: int = typer.Option(256),
                    out: str = typer.Option("reports/runs/spec-decode", "--out")) -> None:
     """Speculative-decoding what-if: mean latency with and without a draft model over batch sizes;
-    writes spec_sweep.csv and spec_sweep.png (issue 7)."""
+    writes spec_sweep.csv and spec_sweep.png."""
     from pathlib import Path
 
     from engines.catalog import CatalogError
@@ -380,7 +386,7 @@ def paper_check_cmd(scenario: str = typer.Argument(..., help="scenario YAML with
                     threshold: float = typer.Option(0.1, help="normalized latency limit (s/token)"),
                     out: str = typer.Option("reports/runs/paper-check", "--out")) -> None:
     """Sweep request rates on the scenario's sim engines; print the rate each sustains before normalized
-    latency exceeds --threshold, and the ratios to the first engine (issue 7)."""
+    latency exceeds --threshold, and the ratios to the first engine."""
     from pathlib import Path
 
     from workbench.paper_check import sustained_rates, sweep, write_outputs

@@ -90,8 +90,19 @@ def engine_runtime(llm) -> dict:
 
     model = llm.engine.executor.model
     dev = model.embed.device  # a tensor's device carries the index ("cuda:0")
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {"device": str(dev), "device_name": name, "attention": model.attention.name}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def warm_up(llm) -> None:
@@ -186,7 +197,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         "scenario_hash": scenario_hash(scenario),
         "created": dt.datetime.now().isoformat(timespec="seconds"),
         "versions": _versions(),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
+        "machine": {"platform": platform.platform(), "processor": cpu_name(), "cpus": os.cpu_count()},
         "num_requests": len(trace),
         "formulas": FORMULAS,
         "engines": {},

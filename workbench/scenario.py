@@ -486,8 +486,9 @@ def _describe(err: Mapping[str, Any]) -> tuple[str, str]:
     return (".".join(str(p) for p in loc) or "(scenario)"), msg
 
 
-def _error(file: Path | str, field: str, msg: str, line: int | None = None) -> ScenarioError:
-    text = f"{file}: {field}: {msg}" + (f" (line {line})" if line else "")
+def _error(file: Path | str, field: str, msg: str, line: int | None = None, engine: str = "") -> ScenarioError:
+    where = ", ".join(x for x in (f"engine {engine}" if engine else "", f"line {line}" if line else "") if x)
+    text = f"{file}: {field}: {msg}" + (f" ({where})" if where else "")
     return ScenarioError(" ".join(text.split()))
 
 
@@ -507,7 +508,8 @@ def validate_scenario(data: Any, file: str | Path = "<scenario>", text: str | No
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         field, msg = _describe(err)
-        raise _error(file, field, msg, _yaml_line(text, tuple(err.get("loc", ()))) if text else None) from None
+        loc = tuple(err.get("loc", ()))
+        raise _error(file, field, msg, _yaml_line(text, loc) if text else None, _engine_name(data, loc)) from None
     sc._base_dir = Path(base_dir) if base_dir is not None else Path(file).parent if file != "<scenario>" else Path.cwd()
     if check_files:
         checks: list[tuple[tuple, str | None]] = [(("trace", "path"), sc.trace.path)]
@@ -523,8 +525,30 @@ def validate_scenario(data: Any, file: str | Path = "<scenario>", text: str | No
             if not p.is_file():
                 hint = f"; builtin traces: {', '.join(builtin_traces())}" if value.startswith(BUILTIN_PREFIX) else ""
                 raise _error(file, ".".join(map(str, loc)), f"no such file: {p}{hint}",
-                             _yaml_line(text, loc) if text else None)
+                             _yaml_line(text, loc) if text else None, _engine_name(data, loc))
+        # issue 7: a real engine's device must exist on this machine (before any engine starts)
+        for i, eng in enumerate(sc.engines):
+            if eng.kind in ("paged", "static") and eng.device not in ("auto", "cpu"):
+                from engines.model import resolve_device
+
+                try:
+                    resolve_device(eng.device)
+                except ValueError as err:
+                    loc = ("engines", i, "device")
+                    raise _error(file, f"engines.{i}.device", str(err), _yaml_line(text, loc) if text else None,
+                                 eng.name) from None
     return sc
+
+
+def _engine_name(data: Any, loc: tuple) -> str:
+    """The engine's name when ``loc`` points into ``engines[i]`` and that engine has one, else ``""``."""
+    if len(loc) >= 2 and loc[0] == "engines" and isinstance(loc[1], int) and isinstance(data, dict):
+        engines = data.get("engines")
+        if isinstance(engines, list) and loc[1] < len(engines) and isinstance(engines[loc[1]], dict):
+            name = engines[loc[1]].get("name")
+            if isinstance(name, str) and name:
+                return name
+    return ""
 
 
 def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None,
