@@ -72,7 +72,7 @@ def main() -> int:
     got = [o.token_ids for o in llm.generate(ps, sp)]
     same = sum(a == b for a, b in zip(ref, got))
     hits = sum(st.prefix_cache_hits for st in llm.engine.steps)
-    print(f"device {model.embed.device} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else 'cpu'}), "
+    print(f"device {model.device} ({torch.cuda.get_device_name() if model.device.type == 'cuda' else 'cpu'}), "
           f"attention {model.attention.name}: {same}/{len(ref)} prompts give the CPU reference's greedy tokens")
     print(f"prefix-cache hits: {hits} tokens; steps: {len(llm.engine.steps)} (chunked prefill, budget 48 tokens)")
 
@@ -87,7 +87,7 @@ def main() -> int:
     print(f"batch {args.batch} x {args.speed_tokens} output tokens: {toks / wall:,.0f} output tok/s ({wall:.2f} s)")
     if args.csv:
         Path(args.csv).write_text("device,attention,prompts_equal,prompts,output_tok_s\n"
-                                  f"{model.embed.device},{model.attention.name},{same},{len(ref)},{toks / wall:.1f}\n")
+                                  f"{model.device},{model.attention.name},{same},{len(ref)},{toks / wall:.1f}\n")
     return 0 if same == len(ref) else 1
 
 

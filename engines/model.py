@@ -78,21 +78,22 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(device: str) -> torch.device:
-    """The torch device of a ``device`` knob: ``cpu``, ``cuda`` / ``cuda:N``, or ``auto`` (the first CUDA
-    device when torch sees one, else the CPU).
+    """The torch device of a ``device`` knob: ``cpu``, ``cuda`` / ``cuda:N``, or ``auto`` (the current CUDA
+    device when torch sees one, else the CPU); a CUDA device always carries its index (``cuda:0``).
 
     Raises:
         ValueError: an unknown name, or ``cuda`` asked for where torch sees no CUDA device.
     """
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return torch.device("cpu")
     if re.fullmatch(r"cuda(:\d+)?", device or ""):
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: torch sees no CUDA device here (torch {torch.__version__}); "
                              "use device cpu or auto")
-        return torch.device(device)
+        dev = torch.device(device)
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
     raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {device!r}")
 
 

@@ -171,13 +171,18 @@ class Scheduler:
                 continue
             tok = result.sampled[seq.request_id]
             req.append_output(tok)
-            if not req.sampling_params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
-                self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
-                finished.append(req)
-            elif req.num_output_tokens >= req.sampling_params.max_tokens:
-                self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
-                finished.append(req)
+            self._finish_if_done(req, tok, finished)
         return finished
+
+    def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> None:
+        """Finish ``req`` (appending it to ``finished``) if its new token ``tok`` is EOS (unless
+        ``ignore_eos``) or it has reached ``max_tokens``."""
+        if not req.sampling_params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
+            finished.append(req)
+        elif req.num_output_tokens >= req.sampling_params.max_tokens:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+            finished.append(req)
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
         """End a request (stop string, abort, ...): release its KV and drop it from the queues."""
@@ -423,13 +428,7 @@ class PagedScheduler(Scheduler):
                 req.cumulative_logprob += result.logprobs[seq.request_id]
         finished = super().update(output, result)
         for child in children:
-            tok = child.output_token_ids[-1]
-            if not child.sampling_params.ignore_eos and child.eos_token_id is not None and tok == child.eos_token_id:
-                self.finish_request(child.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
-                finished.append(child)
-            elif child.num_output_tokens >= child.sampling_params.max_tokens:
-                self.finish_request(child.request_id, RequestStatus.FINISHED_LENGTH)
-                finished.append(child)
+            self._finish_if_done(child, child.output_token_ids[-1], finished)
         finished.extend(self.beam_search.update(self, output, result))  # issue 5: beam search
         return finished
 

@@ -138,6 +138,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_q_ptr, start_ptr, s
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> tuple[int, int]:
+    _check_runnable()
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -168,7 +169,6 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         RuntimeError: the kernels cannot run in this process (see ``available``).
     """
     b, h, d = q.shape
-    _check_runnable()
     bs, group = _check_cache(k_cache, v_cache, h)
     q = q.contiguous()
     bt = block_tables.to(torch.int32).contiguous()
@@ -205,7 +205,6 @@ def paged_attention_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         RuntimeError: the kernels cannot run in this process (see ``available``).
     """
     t, h, d = q.shape
-    _check_runnable()
     bs, group = _check_cache(k_cache, v_cache, h)
     ns = block_tables.shape[0]
     if cu_seqlens_q.shape != (ns + 1,) or start_pos.shape != (ns,):

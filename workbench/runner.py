@@ -89,7 +89,7 @@ def engine_runtime(llm) -> dict:
     import torch
 
     model = llm.engine.executor.model
-    dev = model.embed.device  # a tensor's device carries the index ("cuda:0")
+    dev = model.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {"device": str(dev), "device_name": name, "attention": model.attention.name}
 
