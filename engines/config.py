@@ -125,6 +125,9 @@ class SchedulerConfig:
             chunked prefill only).
         preemption_mode: ``recompute`` (free the blocks, recompute later) or ``swap`` (copy them to the
             CPU swap pool and back; recompute when the swap pool is full).
+        completion: when a static batch member's answer is returned (static): ``batch_end`` (when the
+            last member of its batch finishes, as a static-batching server answers) or ``own_end`` (at its
+            own last token).
     """
 
     max_num_seqs: int = 256
@@ -137,9 +140,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     preemption_mode: str = "recompute"
+    completion: str = "batch_end"
 
     def validate(self) -> str | None:
-        """One-line reason why the issue-5 knobs are invalid, or None."""
+        """One-line reason why the issue-5 knobs or ``completion`` are invalid, or None."""
+        if self.completion not in COMPLETIONS:
+            return f"completion must be one of {', '.join(COMPLETIONS)}, got {self.completion!r}"
         if self.preemption_mode not in PREEMPTION_MODES:
             return f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
         if self.long_prefill_token_threshold < 0:
@@ -148,4 +154,5 @@ class SchedulerConfig:
 
 
 PREEMPTION_MODES = ("recompute", "swap")
+COMPLETIONS = ("batch_end", "own_end")  # static batching: when a member's answer is returned
 DEFAULT_SWAP_BANDWIDTH = 32e9  # bytes/s: PCIe 4.0 x16, one direction (~32 GB/s)

@@ -6,9 +6,10 @@ A step's time is modelled as a linear function of what it computes (least square
           + c_lm * sampled_rows
 
 ``tokens`` = prefill + decode tokens (every GEMM row; static padding rows included), ``decode_context_
-tokens`` = sum of the context lengths the decode rows attend to (KV bytes read), ``prefill_attention_
-pairs`` = sum over prefill chunks of n * (start + n) (query-key pairs, causal work up to a factor 2),
-``sampled_rows`` = rows that go through the LM head. ``c0`` is the per-step fixed cost (weights read
+tokens`` = sum of the context lengths the decode rows attend to (KV bytes read; a static padding row is a
+decode row at its batch's current length, as in a padded batch), ``prefill_attention_pairs`` = sum over
+prefill chunks of n * (start + n) (query-key pairs, causal work up to a factor 2), ``sampled_rows`` = rows
+that go through the LM head (never a padding row). ``c0`` is the per-step fixed cost (weights read
 once, Python overhead). The same features are what Vidur's execution-time predictor uses for attention
 and MLP operators, folded into one model here.
 """
@@ -25,8 +26,10 @@ FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
 def step_features(seqs) -> dict[str, float]:
     """Features of one step from its scheduled sequences (``ScheduledSeq``).
 
-    ``prefill_ctx`` = sum over prefill chunks of n * start (query x cached-key pairs: what a chunk after
-    the first, or a chunk after a prefix-cache hit, attends to beyond its own tokens)."""
+    A static padding row counts as a decode row (``is_decode``): one token, its context length (the batch's
+    current length) in ``decode_ctx``, not sampled. ``prefill_ctx`` = sum over prefill chunks of n * start
+    (query x cached-key pairs: what a chunk after the first, or a chunk after a prefix-cache hit, attends
+    to beyond its own tokens)."""
     tokens = decode_ctx = prefill_attn = prefill_ctx = sampled = 0
     for s in seqs:
         n = s.num_tokens

@@ -54,6 +54,10 @@ class RequestOutput:
     # issue 5: beam search: the hypothesis' length-penalised score (None without beam search); a beam-search
     # request's output is its best hypothesis and ``outputs`` its beam_width (or n) best, best first
     beam_score: float | None = None
+    # when the engine returned the answer (s, engine clock), where that can be later than its last token: a
+    # static batch member's batch end under completion batch_end (then equal to finished_time); None: the
+    # answer came with its last token
+    completion_time: float | None = None
 
 
 _FINISH_REASON = {
@@ -170,10 +174,26 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
                 finished.append(req)
-        return [self._finish(r) for r in finished]
+        return self._complete(finished)
 
-    def _finish(self, req: Request) -> RequestOutput:
-        req.finished_time = self.clock()
+    def _complete(self, finished: list[Request]) -> list[RequestOutput]:
+        """Outputs of the requests answered in this step, given those that finished in it. A static
+        scheduler with completion ``batch_end`` holds each member until its batch ends
+        (``StaticScheduler.completed``); those outputs carry ``completion_time`` = ``finished_time``."""
+        sched = self.scheduler
+        if not isinstance(sched, StaticScheduler):
+            return [self._finish(r) for r in finished]
+        if not sched.completes_at_batch_end:
+            return [self._finish(r) for r in sched.completed(finished)]
+        end = self.clock()  # one completion time for the whole batch
+        outs = [self._finish(r, end) for r in sched.completed(finished)]
+        for o in outs:
+            o.completion_time = end
+        return outs
+
+    def _finish(self, req: Request, at: float | None = None) -> RequestOutput:
+        """End ``req``'s bookkeeping and build its output; ``finished_time`` = ``at`` (s, engine clock), else now."""
+        req.finished_time = self.clock() if at is None else at
         self.executor.release(req.request_id)
         return self._output(req)
 
@@ -232,7 +252,7 @@ class LLMEngine:
                 duration=duration,
                 num_seqs=len(seqs),
                 num_prefill_tokens=sum(s.num_tokens for s in seqs if not s.is_padding and not s.is_decode),
-                num_decode_tokens=sum(1 for s in seqs if s.is_decode),
+                num_decode_tokens=sum(1 for s in seqs if s.is_decode and not s.is_padding),  # live rows
                 num_padding_seqs=sum(1 for s in seqs if s.is_padding),
                 num_running=out.num_running,
                 num_waiting=out.num_waiting,
@@ -329,6 +349,9 @@ class LLM:
         max_num_seqs, max_num_batched_tokens: paged step limits.
         max_model_len: longest prompt + output (default: the model's max_position_embeddings).
         max_batch_size, reservation: static baseline knobs.
+        completion: static only: when a request's answer is returned: ``batch_end`` (default: when the
+            last member of its batch finishes, as a static-batching server answers) or ``own_end`` (its
+            own last token).
         seed: seed of the shared sampling generator.
         step_delay_s: test-only: busy-wait added to every step.
         attention_backend: attention kernels: ``auto`` (Triton on CUDA; on CPU the compiled kernel when
@@ -343,7 +366,8 @@ class LLM:
 
     Raises:
         ModelNotFoundError: ``model`` is neither a known name nor a folder.
-        ValueError: a bad knob (unknown engine, dtype, reservation policy or device; ``cuda`` without a GPU).
+        ValueError: a bad knob (unknown engine, dtype, reservation policy, completion or device; ``cuda``
+            without a GPU; ``completion`` for an engine other than static).
     """
 
     def __init__(
@@ -368,6 +392,7 @@ class LLM:
         preemption_mode: str = "recompute",
         swap_space_bytes: int = 0,
         device: str = "auto",
+        completion: str | None = None,
     ):
         import torch
         from transformers import AutoTokenizer
@@ -381,6 +406,8 @@ class LLM:
             raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
         if reservation not in ("max", "pow2", "oracle"):
             raise ValueError(f"reservation must be max, pow2 or oracle, got {reservation!r}")
+        if completion is not None and engine != "static":
+            raise ValueError(f"completion is only for the static engine (engine is {engine!r})")
         resolve_device(device)  # a bad device fails before the weights load
         self.model_dir = resolve_model(model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
@@ -396,6 +423,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             preemption_mode=preemption_mode,
+            completion=completion or "batch_end",
         )
         bad = sched_cfg.validate()
         if bad:

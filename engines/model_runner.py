@@ -1,9 +1,9 @@
 """Model executor: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
 
 One step is one flattened batch of mixed prefill and decode tokens: decode tokens first (one per
-sequence, batched paged attention), then prefill chunks (attention per sequence). New K/V are written
-into their slots (``slot_mapping``) before attention reads the blocks. Logits are computed only for
-the last token of sequences that sample in this step.
+sequence, batched paged attention; static padding rows among them, over the scratch block), then prefill
+chunks (attention per sequence). New K/V are written into their slots (``slot_mapping``) before attention
+reads the blocks. Logits are computed only for the last token of sequences that sample in this step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from engines.static_scheduler import PAD_BLOCK
 class KVCache:
     """Per-layer K and V tensors ``[num_blocks + 1, block_size, num_kv_heads, head_dim]``.
 
-    The extra last block is scratch space for static-batching padding rows.
+    The extra last block is scratch space for static-batching padding rows: a padding row's block table is
+    this block repeated, so its K/V writes land there (rows may overwrite each other: nothing reads them
+    but padding rows, whose output is discarded).
     """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu"):
@@ -166,7 +168,7 @@ class ModelExecutor:
         dec_tables, dec_lens, prefills = [], [], []
         for s in seqs:
             off = len(ids)
-            table = [self.kv.scratch_block] if s.is_padding or s.block_table == [PAD_BLOCK] else s.block_table
+            table = self._block_table(s)
             ids.extend(s.token_ids)
             p = range(s.start_pos, s.start_pos + s.num_tokens)
             pos.extend(p)
@@ -185,6 +187,14 @@ class ModelExecutor:
             meta.decode_block_tables = self._tensor(padded)
             meta.decode_context_lens = self._tensor(dec_lens)
         return self._tensor(ids), self._tensor(pos), meta, last_idx
+
+    def _block_table(self, s: ScheduledSeq) -> list[int]:
+        """The KV blocks ``s`` reads and writes: its block table, with every ``PAD_BLOCK`` of a padding row
+        mapped to the scratch block (a padding row decodes at its batch's length over the scratch block
+        only; what it writes there is never read by a live row)."""
+        if not s.is_padding:
+            return s.block_table
+        return [self.kv.scratch_block if b == PAD_BLOCK else b for b in s.block_table]
 
     def _tensor(self, values: list) -> torch.Tensor:
         """int64 tensor on the model's device (built on the CPU, then copied: one copy per tensor)."""

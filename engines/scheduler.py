@@ -41,7 +41,9 @@ class ScheduledSeq:
         block_table: block ids holding positions ``0 .. start_pos + len(token_ids) - 1``.
         sample: whether logits of the last token are needed (the request reaches its end this step).
         sampling_params: how to sample the next token.
-        is_padding: a static-batching padding row: computed for its cost, output discarded.
+        is_padding: a static-batching padding row: a finished member of a static batch, run as one decode
+            token at the batch's current length over the scratch block (it costs what a live decode row of
+            its batch costs), never sampled, output discarded.
     """
 
     request_id: str
@@ -61,8 +63,9 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        """One new token after a cached context (batched decode attention); else a prefill chunk."""
-        return len(self.token_ids) == 1 and self.start_pos > 0 and not self.is_padding
+        """One new token after a cached context (batched decode attention), or a static padding row (a
+        decode row of its batch); else a prefill chunk."""
+        return self.is_padding or (len(self.token_ids) == 1 and self.start_pos > 0)
 
     @property
     def context_len(self) -> int:
@@ -204,6 +207,17 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def num_unanswered(self) -> int:
+        """Requests added and not yet answered: queued, running, preempted or swapped, and (static
+        batching with ``completion: batch_end``) finished but held until their batch ends. A request with
+        parallel-sampling or beam sequences counts once, until its last sequence ends."""
+        return len({r.parent_id or r.request_id for r in self.requests.values()})
+
+    def release_held(self) -> list[Request]:
+        """Finished requests whose answers are held back (none here; see ``StaticScheduler``), released
+        now, e.g. when the engine stops after a failed step."""
+        return []
 
     # -- hooks -------------------------------------------------------------------------------
     def validate(self, request: Request) -> str | None:

@@ -14,13 +14,16 @@ and copies; what it does not: which beams a real model keeps (real beams fork le
 search early, and block copies are not charged (a copy-on-write copy is one block).
 
 ``simulate`` runs an event heap with a virtual clock, as Vidur does: ``ArrivalEvent`` (a request enters
-the scheduler) and ``StepEndEvent`` (the engine finishes a step and may start the next one).
+the scheduler) and ``StepEndEvent`` (the engine finishes a step and may start the next one). With
+``max_concurrency`` (closed-loop users) a request's ``ArrivalEvent`` is pushed only when a user is free,
+at max(now, its arrival time).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 from engines.beam_search import num_candidates, synthetic_candidates
@@ -110,16 +113,19 @@ def build_sim_engine(policy: str, model_config, cost_model: CostModel, block_siz
                      swap_space_bytes: int = 0, swap_bandwidth_bytes_per_s: float | None = None,
                      **sched_knobs) -> LLMEngine:
     """A simulated engine with the same knobs as the real one (``policy`` = ``paged`` or ``static``;
-    ``sched_knobs`` are ``SchedulerConfig`` fields; ``max_model_len`` defaults to the model's).
+    ``sched_knobs`` are ``SchedulerConfig`` fields; ``max_model_len`` defaults to the model's;
+    ``completion``, static only, defaults to ``batch_end``).
     ``swap_space_bytes`` sizes the CPU swap pool; swaps are charged at ``swap_bandwidth_bytes_per_s``.
 
     Raises:
-        ValueError: a bad knob.
+        ValueError: a bad knob (``completion`` with a policy other than static).
     """
     from engines.config import CacheConfig, SchedulerConfig
     from engines.llm_engine import DEFAULT_KV_CACHE_TOKENS, build_scheduler
 
     knobs = {k: v for k, v in sched_knobs.items() if v is not None}
+    if "completion" in knobs and policy != "static":
+        raise ValueError(f"completion is only for the static policy (policy is {policy!r})")
     knobs.setdefault("max_model_len", model_config.max_position_embeddings)
     cache = CacheConfig(block_size, kv_cache_tokens, kv_cache_bytes, swap_space_bytes=swap_space_bytes or 0)
     bpt = model_config.kv_bytes_per_token(dtype_bytes)
@@ -138,30 +144,81 @@ def make_sim_engine(scheduler: Scheduler, cost_model: CostModel, block_bytes: in
     return LLMEngine(scheduler, ex, tokenizer=None, clock=clock)
 
 
-def simulate(engine: LLMEngine, requests: list[Request]) -> list[RequestOutput]:
+def requests_in_flight(engine: LLMEngine) -> int:
+    """Requests added to ``engine`` and not yet answered (``Scheduler.num_unanswered``: waiting, running,
+    preempted or swapped, or finished and held until their static batch ends), a request with
+    parallel-sampling or beam sequences counted once."""
+    return engine.scheduler.num_unanswered()
+
+
+class ClosedLoopUsers:
+    """Sends requests onto the event heap: all at their arrival times (open loop, ``limit`` None), or as
+    ``limit`` closed-loop users: at most ``limit`` requests sent and not yet ended, and when one ends the
+    next pending request (in arrival order) is sent at max(now, its arrival time), which becomes its
+    ``arrival_time`` (seconds).
+
+    Raises:
+        ValueError: ``limit`` < 1.
+    """
+
+    def __init__(self, requests: list[Request], limit: int | None = None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"max_concurrency must be >= 1 (or None), got {limit}")
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+        self.limit = limit
+        self.sent = 0  # ArrivalEvents on the heap that have not arrived yet
+
+    def send(self, engine: LLMEngine, now: float, heap: list[Event], order) -> None:
+        """Push an ArrivalEvent for every free user (every pending request in open loop)."""
+        if self.limit is None:
+            free = len(self.pending)
+        else:
+            free = self.limit - self.sent - requests_in_flight(engine)
+        for _ in range(min(free, len(self.pending))):
+            r = self.pending.popleft()
+            if self.limit is not None:
+                r.arrival_time = max(now, r.arrival_time)
+            heapq.heappush(heap, ArrivalEvent(r.arrival_time, next(order), r))
+            self.sent += 1
+
+    def arrived(self) -> None:
+        self.sent -= 1
+
+
+def simulate(engine: LLMEngine, requests: list[Request], max_concurrency: int | None = None) -> list[RequestOutput]:
     """Replay ``requests`` (``arrival_time`` in seconds) on a simulated engine; returns every output
-    (finished and rejected) in completion order. The engine's clock must be a ``VirtualClock``."""
+    (finished and rejected) in completion order. The engine's clock must be a ``VirtualClock``.
+
+    ``max_concurrency`` (requests): closed-loop users, see :class:`ClosedLoopUsers`; a request's arrival is
+    rescheduled to when a user frees (a finished or rejected request ends at once), not polled.
+
+    Raises:
+        TypeError: the engine has no virtual clock. ValueError: ``max_concurrency`` < 1.
+        RuntimeError: requests are left that can never be scheduled.
+    """
     clock = engine.clock
     if not isinstance(clock, VirtualClock):
         raise TypeError("simulate needs an engine built by make_sim_engine (virtual clock)")
     order = itertools.count()
-    heap: list[Event] = [ArrivalEvent(r.arrival_time, next(order), r) for r in requests]
-    heapq.heapify(heap)
+    heap: list[Event] = []
+    users = ClosedLoopUsers(requests, max_concurrency)
+    users.send(engine, clock.now, heap, order)
     outputs: list[RequestOutput] = []
     busy = False
     while heap:
         ev = heapq.heappop(heap)
         clock.now = max(clock.now, ev.time)
         if isinstance(ev, ArrivalEvent):
-            _arrive(engine, ev.request, outputs)
+            _arrive(engine, ev.request, outputs, users, heap, order)
         else:
             busy = False
         while heap and isinstance(heap[0], ArrivalEvent) and heap[0].time <= clock.now:
-            _arrive(engine, heapq.heappop(heap).request, outputs)  # everything that has arrived by now
+            _arrive(engine, heapq.heappop(heap).request, outputs, users, heap, order)  # all arrived by now
         if busy or not engine.has_unfinished():
             continue
         # the engine is idle and has work: run one step; it ends at the advanced clock
         outputs.extend(engine.step())
+        users.send(engine, clock.now, heap, order)  # requests that ended in the step free their users
         if engine.steps[-1].num_seqs == 0:
             continue  # nothing could be scheduled: wait for the next arrival
         busy = True
@@ -171,7 +228,10 @@ def simulate(engine: LLMEngine, requests: list[Request]) -> list[RequestOutput]:
     return outputs
 
 
-def _arrive(engine: LLMEngine, request: Request, outputs: list[RequestOutput]) -> None:
+def _arrive(engine: LLMEngine, request: Request, outputs: list[RequestOutput], users: ClosedLoopUsers,
+            heap: list[Event], order) -> None:
+    users.arrived()
     rejected = engine.add_request(request)
     if rejected is not None:
         outputs.append(rejected)
+        users.send(engine, engine.clock(), heap, order)  # a rejected request ends at once and frees its user

@@ -131,9 +131,13 @@ def check_static_step(sched: StaticScheduler, out: SchedulerOutput) -> None:
         used.extend(range(start, start + n))
     assert len(set(used)) == len(used), "two reservations overlap"
     assert set(kv.runs) == {r.request_id for r in sched.batch}
+    # a padding row is a decode row at the batch's current length (its longest live row) over PAD_BLOCKs
+    longest = max((s.context_len for s in out.seqs if not s.is_padding), default=0)
     for seq in out.seqs:
         if seq.is_padding:
-            assert seq.block_table == [PAD_BLOCK] and not seq.sample
+            assert seq.is_decode and seq.num_tokens == 1 and not seq.sample
+            assert seq.context_len == longest
+            assert seq.block_table == [PAD_BLOCK] * cdiv(longest, kv.block_size)
             continue
         req = sched.requests[seq.request_id]
         assert req.status == RequestStatus.RUNNING

@@ -150,7 +150,8 @@ def _guess_format(path: str) -> str:
 @app.command()
 def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
         out: Optional[str] = typer.Option(None, "--out", help="results folder (default reports/runs/<name>-<time>)"),
-        set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (engines by name)")) -> None:
+        set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (engines by name)"),
+        repeat: int = typer.Option(1, "--repeat", help="run the real engines N times, interleaved; report means and spread")) -> None:
     """Replay the scenario's trace on each engine; write results.json, CSVs, PNGs and report.html."""
     import datetime as dt
     from pathlib import Path
@@ -169,6 +170,8 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
         sc = load_scenario(scenario, overrides=parse_overrides(set_) if set_ else None)
     except ScenarioError as e:
         fail(str(e))
+    if repeat < 1:
+        fail(f"--repeat must be >= 1, got {repeat}")
     out_dir = Path(out) if out else Path("reports/runs") / f"{sc.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
     console = Console(stderr=True)
     with Progress(TextColumn("{task.description:18s}"), BarColumn(), MofNCompleteColumn(),
@@ -185,10 +188,10 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
             return on_output
 
         try:
-            results = run_scenario(sc, out_dir, progress)
+            results = run_scenario(sc, out_dir, progress, repeat=repeat, echo=lambda m: prog.console.print(m))
         except (TraceError, ValueError) as e:
             fail(str(e))
-    from workbench.report import sim_error_rows, summary_rows
+    from workbench.report import load_lines, sim_error_rows, summary_rows
 
     table = Table(title=f"{sc.name}: {results['num_requests']} requests")
     headers, rows = summary_rows(results)
@@ -201,6 +204,8 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
     if not out_console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
         out_console = Console(width=200)
     out_console.print(table)
+    for line in load_lines(results):
+        typer.echo(line)
     sh, sr = sim_error_rows(results)
     for r in sr:
         typer.echo(f"sim {r[0]} vs {r[1]}: output throughput {r[2]}, E2EL p50 {r[3]}, p99 {r[4]}")
@@ -276,7 +281,8 @@ def sweep(scenario: str = typer.Argument(..., help="scenario YAML file"),
 
 @app.command()
 def capacity(scenario: str = typer.Argument(..., help="scenario YAML file (its slo section sets the targets)"),
-             engine: str = typer.Option(..., "--engine", help="the engine to load (the others are dropped)"),
+             engine: List[str] = typer.Option(..., "--engine", help="an engine to load (repeatable: each is searched "
+                                              "on its own, then their capacities are compared)"),
              metric: List[str] = typer.Option([], "--metric", help="SLO metric to hold at p99: ttft, tpot, e2el "
                                               "(repeatable; default: every one the slo section sets)"),
              start: Optional[float] = typer.Option(None, "--start", help="first rate tried, req/s (default: trace.request_rate or 1)"),
@@ -284,7 +290,8 @@ def capacity(scenario: str = typer.Argument(..., help="scenario YAML file (its s
              max_rate: float = typer.Option(1024.0, "--max-rate", help="give up bracketing above this rate"),
              set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value"),
              as_json: bool = typer.Option(False, "--json", help="print the result as JSON")) -> None:
-    """Highest trace.request_rate at which the scenario's p99 SLO holds, by doubling then bisection."""
+    """Highest trace.request_rate at which the scenario's p99 SLO holds, by doubling then bisection, for each
+    --engine; with several engines, the ratio of their capacities."""
     from workbench.capacity import capacity_command
 
     capacity_command(scenario, engine, metric, start, tolerance, max_rate, set_, as_json)

@@ -15,9 +15,9 @@ FORMULAS = {
     "output_throughput": "sum(output tokens of finished requests) / duration_s (tok/s)",
     "total_token_throughput": "sum(prompt + output tokens of finished requests) / duration_s (tok/s)",
     "ttft_ms": "first token time - arrival time (ms), finished requests",
-    "tpot_ms": "(e2el - ttft) / (output tokens - 1) (ms), requests with > 1 output token; excludes the first token",
+    "tpot_ms": "(e2el - ttft) / (output tokens - 1) (ms), requests with > 1 output token; excludes the first token; for a static engine with completion batch_end it includes the wait for the batch's end (the client's view), while itl_ms keeps the token times",
     "itl_ms": "every gap between consecutive output tokens of a request (ms), all requests pooled",
-    "e2el_ms": "finish time - arrival time (ms)",
+    "e2el_ms": "completion time - arrival time (ms): the last token's time; for a static engine with completion batch_end (its default) the end of the request's batch, when a static-batching server returns the batch's answers (own_end: its own last token)",
     "goodput": "finished requests meeting every SLO limit (ttft, tpot, e2el) / duration_s (req/s), as vllm bench serve --goodput",
     "kv_waste_frac": "1 - sum(step duration * slots holding token states) / sum(step duration * slots allocated): time-weighted",
     "kv_breakdown": "time-weighted shares of allocated slots: token_states, reserved (for tokens a request may still produce), internal_frag (allocated slots it can never use), external_frag (gaps between contiguous allocations) (PagedAttention, SOSP 2023, Fig. 2)",
@@ -30,6 +30,10 @@ FORMULAS = {
     "num_preemptions_swap": "preemptions that copied the victim's blocks to the CPU swap pool",
     "swap_bytes": "KV bytes copied between the device pool and the CPU swap pool, both directions",
     "swap_time_s": "seconds spent on those copies (measured in the real engine; bytes / swap_bandwidth_bytes_per_s in the simulator)",
+    "saturation": "final_queue: requests waiting (not admitted) in the first engine step that starts at or after the last arrival; waiting_time_frac: sum(duration of steps with a non-empty waiting queue) / duration_s. final_queue > 0 or a large waiting_time_frac means the engine did not keep up: throughput is then capacity-bound, not the offered load (None for kind openai: no engine steps client-side)",
+    "load": "trace.load: offered_req_s = factor x capacity_req_s of the named engine; the recorded arrival times are rescaled to that mean rate, (count - 1) / span; time_scale = recorded rate / offered rate (workbench.load)",
+    "capacity": "saturation probe (workbench.load): probe_requests requests spread evenly over the trace, all arriving at 0 s; capacity_req_s = finished / (last finish - first arrival); ratios = paged capacity / static capacity",
+    "repeats": "workbench run --repeat N: real engines run N times, interleaved (A, B, A, B, ...); the summary holds each number's mean over the runs, repeats.metrics its mean, std (n - 1), min, max and the values; sim engines are deterministic and run once",
     "kv_shared_saved_mean": "time-weighted mean of KV slots saved by block sharing: sum over held blocks of (ref count - 1) x block_size (slots the same requests would hold without sharing)",
 }
 
@@ -54,11 +58,19 @@ class RequestMetrics:
 
 
 def request_metrics(o) -> RequestMetrics | None:
-    """TTFT, TPOT, E2EL and ITLs of a finished output (``RequestOutput``-like); None if it produced nothing."""
+    """TTFT, TPOT, E2EL and ITLs of a finished output (``RequestOutput``-like); None if it produced nothing.
+
+    E2EL ends at the last token, or at the output's ``completion_time`` where the engine reports a later
+    one (a static batch's end under completion ``batch_end``); outputs without it (kind openai) end at
+    their last token."""
     if o.first_token_time is None or o.finished_time is None or not o.token_ids:
         return None
     ttft = o.first_token_time - o.arrival_time
-    e2el = max(o.token_times[-1] if o.token_times else o.finished_time, o.first_token_time) - o.arrival_time
+    end = o.token_times[-1] if o.token_times else o.finished_time
+    completion = getattr(o, "completion_time", None)
+    if completion is not None:
+        end = max(end, completion)
+    e2el = max(end, o.first_token_time) - o.arrival_time
     n = len(o.token_ids)
     tpot = (e2el - ttft) / (n - 1) if n > 1 else None
     itls = [b - a for a, b in zip(o.token_times, o.token_times[1:])]
@@ -112,6 +124,7 @@ def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) 
         "reject_reasons": sorted({o.error for o in rejected if o.error})[:10],
     }
     summary.update(kv_summary(steps))
+    summary["saturation"] = saturation(outputs, steps, duration)
     summary.update(issue5_summary(steps))
     return summary
 
@@ -133,6 +146,18 @@ def issue5_summary(steps) -> dict:
         "swap_time_s": float(sum(getattr(s, "swap_time", 0.0) for s in steps)),
         "kv_shared_saved_mean": float((w * saved).sum() / w.sum()) if w.sum() > 0 else 0.0,
     }
+
+
+def saturation(outputs, steps, duration_s: float) -> dict:
+    """Whether the engine kept up (see ``FORMULAS["saturation"]``): ``{final_queue, waiting_time_frac}``
+    (requests, fraction of ``duration_s``); both None without engine steps (kind openai)."""
+    if not steps or not outputs:
+        return {"final_queue": None, "waiting_time_frac": None}
+    last_arrival = max(o.arrival_time for o in outputs)
+    after = next((s for s in steps if s.start >= last_arrival), None)
+    waiting = sum(s.duration for s in steps if s.num_waiting > 0)
+    return {"final_queue": int(after.num_waiting) if after is not None else 0,
+            "waiting_time_frac": float(min(1.0, waiting / duration_s)) if duration_s > 0 else 0.0}
 
 
 def _meets(m: RequestMetrics, slo: dict) -> bool:

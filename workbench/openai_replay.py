@@ -47,16 +47,24 @@ def metrics_url(base_url: str) -> str:
 
 def replay_openai(base_url: str, model: str, trace: list[TraceRequest], api_key: str | None = None,
                   on_output: Callable[[RequestOutput], None] | None = None,
-                  engine_name: str = "openai") -> OpenAIOutputs:
+                  engine_name: str = "openai", max_concurrency: int | None = None) -> OpenAIOutputs:
     """Replay ``trace`` against the endpoint in real time; one output per trace request.
+
+    ``max_concurrency`` (requests): closed-loop users, as ``vllm bench serve --max-concurrency``: at most
+    that many requests in flight; a request is sent at max(its arrival time, when a user's previous request
+    ended), and its ``arrival_time`` (TTFT and E2EL are measured from it) is when it was sent.
 
     Raises:
         EndpointError: the endpoint is unreachable, refuses the key, or does not serve ``model``.
+        ValueError: ``max_concurrency`` < 1.
     """
-    return asyncio.run(_replay(base_url.rstrip("/"), model, trace, api_key, on_output, engine_name))
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1 (or None), got {max_concurrency}")
+    return asyncio.run(_replay(base_url.rstrip("/"), model, trace, api_key, on_output, engine_name,
+                               max_concurrency))
 
 
-async def _replay(base_url, model, trace, api_key, on_output, engine_name) -> OpenAIOutputs:
+async def _replay(base_url, model, trace, api_key, on_output, engine_name, max_concurrency) -> OpenAIOutputs:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -65,7 +73,9 @@ async def _replay(base_url, model, trace, api_key, on_output, engine_name) -> Op
         await _check_endpoint(client, base_url, model, engine_name)
         before = await _scrape(client, metrics_url(base_url))
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(_one(client, f"{base_url}/completions", model, t, t0)) for t in trace]
+        users = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        order = sorted(trace, key=lambda t: t.arrival_s)  # users are taken in arrival order (the semaphore is FIFO)
+        tasks = [asyncio.create_task(_one(client, f"{base_url}/completions", model, t, t0, users)) for t in order]
         outs = OpenAIOutputs()
         for fut in asyncio.as_completed(tasks):
             o = await fut
@@ -126,10 +136,20 @@ def _error_message(body: bytes) -> str:
         return " ".join(body.decode(errors="replace").split())[:300]
 
 
-async def _one(client, url: str, model: str, t: TraceRequest, t0: float) -> RequestOutput:
+async def _one(client, url: str, model: str, t: TraceRequest, t0: float,
+               users: asyncio.Semaphore | None = None) -> RequestOutput:
+    """Send one request at its arrival time (``t0``: the replay's start, ``time.perf_counter`` seconds), once
+    a user is free when ``users`` limits them; the user is held until the request ends."""
+    await asyncio.sleep(max(0.0, t.arrival_s - (time.perf_counter() - t0)))
+    if users is None:
+        return await _send(client, url, model, t, t0)
+    async with users:
+        return await _send(client, url, model, t, t0)
+
+
+async def _send(client, url: str, model: str, t: TraceRequest, t0: float) -> RequestOutput:
     import httpx
 
-    await asyncio.sleep(max(0.0, t.arrival_s - (time.perf_counter() - t0)))
     arrival = time.perf_counter() - t0
     prompt = list(t.prompt_token_ids or [])
     payload = {"model": model, "prompt": prompt, "max_tokens": t.output_tokens, "temperature": 0.0,

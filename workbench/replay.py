@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import time
 from collections import deque
 from typing import Callable
@@ -10,7 +11,7 @@ from typing import Callable
 from engines.llm_engine import LLMEngine, RequestOutput
 from engines.request import Request, RequestStatus
 from engines.sampling_params import SamplingParams
-from engines.simulator import simulate
+from engines.simulator import requests_in_flight, simulate
 from workbench.traces import TraceRequest
 
 
@@ -38,11 +39,46 @@ class _RelativeClock:
         return time.perf_counter() - self.t0
 
 
+class _Users:
+    """``limit`` closed-loop users of a real-time replay; each free user remembers when it became free
+    (seconds on the replay clock). ``limit`` None: open loop, a user is always free since forever."""
+
+    def __init__(self, limit: int | None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"max_concurrency must be >= 1 (or None), got {limit}")
+        self.limit = limit
+        self.free: deque[float] = deque([-math.inf] * (limit or 0))
+
+    def available(self) -> bool:
+        return self.limit is None or bool(self.free)
+
+    def send(self, request: Request) -> None:
+        """Give ``request`` the earliest free user: it is sent at max(its arrival time, when that user freed)."""
+        if self.limit is not None:
+            request.arrival_time = max(request.arrival_time, self.free.popleft())
+
+    def sync(self, engine: LLMEngine, now: float) -> None:
+        """Free the users whose requests ended (finished, rejected, failed) by ``now``."""
+        if self.limit is not None:
+            ended = self.limit - requests_in_flight(engine) - len(self.free)
+            self.free.extend([now] * ended)
+
+
 def replay_realtime(engine: LLMEngine, requests: list[Request],
-                    on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+                    on_output: Callable[[RequestOutput], None] | None = None,
+                    max_concurrency: int | None = None) -> list[RequestOutput]:
     """Feed each request at its ``arrival_time`` (seconds from now, wall clock) and step the engine
     until all have ended. A step that raises fails every unfinished request (status FAILED, with the
-    error as reason) instead of losing them. Returns one output per request."""
+    error as reason) instead of losing them. Returns one output per request.
+
+    ``max_concurrency`` (requests): closed-loop users: at most that many requests in the engine at once
+    (added and not yet ended); a request is added at max(its arrival time, when a user's previous request
+    ended), and that moment becomes its ``arrival_time``. A rejected request ends at once.
+
+    Raises:
+        ValueError: ``max_concurrency`` < 1.
+    """
+    users = _Users(max_concurrency)
     engine.clock = _RelativeClock()
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     outputs: list[RequestOutput] = []
@@ -51,14 +87,14 @@ def replay_realtime(engine: LLMEngine, requests: list[Request],
     gc.collect()
     gc.freeze()
     try:
-        _replay_loop(engine, pending, outputs, on_output)
+        _replay_loop(engine, pending, outputs, on_output, users)
     finally:
         gc.unfreeze()
     return outputs
 
 
 def _replay_loop(engine: LLMEngine, pending: deque, outputs: list[RequestOutput],
-                 on_output: Callable[[RequestOutput], None] | None) -> None:
+                 on_output: Callable[[RequestOutput], None] | None, users: _Users) -> None:
 
     def emit(outs):
         for o in outs:
@@ -68,9 +104,13 @@ def _replay_loop(engine: LLMEngine, pending: deque, outputs: list[RequestOutput]
 
     while pending or engine.has_unfinished():
         now = engine.clock()
-        while pending and pending[0].arrival_time <= now:
-            r = engine.add_request(pending.popleft())
+        users.sync(engine, now)
+        while pending and pending[0].arrival_time <= now and users.available():
+            req = pending.popleft()
+            users.send(req)
+            r = engine.add_request(req)
             emit([r] if r is not None else [])
+            users.sync(engine, engine.clock())  # a rejected request frees its user at once
         if engine.has_unfinished():
             try:
                 emit(engine.step())
@@ -81,14 +121,16 @@ def _replay_loop(engine: LLMEngine, pending: deque, outputs: list[RequestOutput]
                 emit([engine._output(r) for r in pending])
                 pending.clear()
                 break
-            if engine.steps and engine.steps[-1].num_seqs == 0 and pending:
+            if engine.steps and engine.steps[-1].num_seqs == 0 and pending and users.available():
                 time.sleep(max(0.0, pending[0].arrival_time - engine.clock()))
         elif pending:
             time.sleep(max(0.0, pending[0].arrival_time - engine.clock()))
 
 
 def _fail_all(engine: LLMEngine, reason: str) -> list[RequestOutput]:
-    outs = []
+    """Outputs of every request still in the engine after a failed step: answers held for a static batch's
+    end are returned as they finished; every other request fails with ``reason``."""
+    outs = [engine._finish(r) for r in engine.scheduler.release_held()]
     for rid in list(engine.scheduler.requests):
         req = engine.scheduler.finish_request(rid, RequestStatus.FAILED)
         req.reject_reason = reason
@@ -97,9 +139,11 @@ def _fail_all(engine: LLMEngine, reason: str) -> list[RequestOutput]:
 
 
 def replay_simulated(engine: LLMEngine, requests: list[Request],
-                     on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
-    """Replay on a simulated engine (virtual clock, event heap)."""
-    outs = simulate(engine, requests)
+                     on_output: Callable[[RequestOutput], None] | None = None,
+                     max_concurrency: int | None = None) -> list[RequestOutput]:
+    """Replay on a simulated engine (virtual clock, event heap); ``max_concurrency`` as in
+    :func:`replay_realtime`, on the virtual clock."""
+    outs = simulate(engine, requests, max_concurrency)
     if on_output:
         for o in outs:
             on_output(o)

@@ -188,6 +188,39 @@ def summary_rows(results: dict) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
+def load_lines(results: dict) -> list[str]:
+    """Plain-text lines on the machine, the relative load the trace ran at and the engines' saturation
+    capacities (empty lists of the last two without ``trace.load``)."""
+    m = results.get("machine", {})
+    lines = [f"machine: {m.get('processor', '?')}, {m.get('cpus', '?')} CPUs, torch CPU kernels "
+             f"{m.get('cpu_capability', '?')}, {m.get('torch_threads', '?')} torch threads"]
+    load = results.get("load")
+    if load:
+        ts = f", time scale {load['time_scale']:.3g} of the recorded arrivals" if load.get("time_scale") else ""
+        lines.append(f"load: {load['factor']:g} x capacity of {load['engine']} ({load['capacity_req_s']:.3g} req/s, "
+                     f"{load['method']} of {load['probe_requests']} requests) = {load['offered_req_s']:.3g} req/s "
+                     f"offered{ts}")
+    cap = results.get("capacity")
+    if cap:
+        caps = ", ".join(f"{n} {c['capacity_req_s']:.3g} req/s ({c['output_tok_s']:.4g} out tok/s)"
+                         for n, c in cap["engines"].items())
+        lines.append(f"saturation capacity: {caps}")
+        if cap["ratios"]:
+            lines.append("capacity ratio: " + ", ".join(f"{k} {v:.2f}x" for k, v in cap["ratios"].items()))
+    for n, e in results["engines"].items():
+        sat = e["summary"].get("saturation") or {}
+        if sat.get("final_queue") is not None:
+            kept = "kept up" if sat["final_queue"] == 0 and sat["waiting_time_frac"] < 0.1 else "saturated"
+            lines.append(f"{n}: {kept} (queue at the last arrival {sat['final_queue']}, waiting queue "
+                         f"{sat['waiting_time_frac']:.0%} of the run)")
+        rep = e["summary"].get("repeats")
+        if rep:
+            t = rep["metrics"]["output_throughput"]
+            lines.append(f"{n}: {rep['n']} runs, output throughput mean {t['mean']:.4g} tok/s, std {t['std']:.3g}, "
+                         f"range {t['min']:.4g}-{t['max']:.4g}")
+    return lines
+
+
 def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
     headers = ["sim engine", "vs real engine", "output throughput error", "E2EL p50 error", "E2EL p99 error"]
     rows = []
@@ -215,6 +248,7 @@ figure{{display:inline-block;margin:1em}}img{{max-width:100%}}</style></head><bo
 <h1>Scenario {html.escape(sc['name'])}</h1>
 <p>hash {html.escape(results['scenario_hash'])} &middot; {results['num_requests']} requests &middot;
 model {html.escape(sc['model'])} &middot; {html.escape(results['created'])}</p>
+<h2>Load and capacity</h2><ul>{"".join(f"<li>{html.escape(x)}</li>" for x in load_lines(results))}</ul>
 <h2>Summary</h2>{_table(*summary_rows(results))}
 <h2>Simulator vs real</h2>{sim}
 <h2>Memory management</h2>{_table(*memory_rows(results))}

@@ -41,25 +41,28 @@ def _knobs(spec: EngineSpec) -> dict:
                 # issue 5
                 enable_prefix_caching=spec.enable_prefix_caching, enable_chunked_prefill=spec.enable_chunked_prefill,
                 long_prefill_token_threshold=spec.long_prefill_token_threshold,
-                preemption_mode=spec.preemption_mode, swap_space_bytes=spec.swap_space_bytes)
+                preemption_mode=spec.preemption_mode, swap_space_bytes=spec.swap_space_bytes,
+                completion=spec.completion)  # static policy only (None: the default, batch_end)
 
 
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
                on_output: Callable | None = None, runtime: dict | None = None):
     """Replay the trace on one engine; returns ``(outputs, steps)``. For a real engine, ``runtime`` (if
     given) gets where it ran: ``device`` (e.g. ``cpu``, ``cuda:0``), ``device_name`` and ``attention``
-    (the kernels picked: ``cpp``, ``torch`` or ``triton``)."""
+    (the kernels picked: ``cpp``, ``torch`` or ``triton``). ``trace.max_concurrency`` (closed-loop users)
+    applies to every kind."""
+    users = scenario.trace.max_concurrency
     if spec.kind == "openai":  # issue 6: the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
 
         return replay_openai(spec.base_url, spec.model or scenario.model, trace, api_key=openai_api_key(spec),
-                             on_output=on_output, engine_name=spec.name), []
+                             on_output=on_output, engine_name=spec.name, max_concurrency=users), []
     requests = make_requests(trace, eos)
     if spec.kind == "sim" and (spec.cost_model == "analytic" or spec.policy == "orca"):  # issue 7: GPU what-if
         from workbench.whatif import build_whatif_sim
 
         engine = build_whatif_sim(scenario, spec, model_cfg, lambda: load_cost_model(scenario, spec))
-        return replay_simulated(engine, requests, on_output), engine.steps
+        return replay_simulated(engine, requests, on_output, max_concurrency=users), engine.steps
     if spec.kind == "sim":
         from engines.simulator import build_sim_engine
 
@@ -67,7 +70,7 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
         engine = build_sim_engine(spec.policy or "paged", model_cfg, load_cost_model(scenario, spec),
                                   dtype_bytes=dtype_bytes, swap_bandwidth_bytes_per_s=spec.swap_bandwidth_bytes_per_s,
                                   **_knobs(spec))
-        return replay_simulated(engine, requests, on_output), engine.steps
+        return replay_simulated(engine, requests, on_output, max_concurrency=users), engine.steps
     from engines.llm_engine import LLM
 
     llm = LLM(model_dir, engine=spec.kind, dtype=spec.dtype, seed=scenario.seed,
@@ -77,7 +80,7 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
         runtime.update(engine_runtime(llm))
     try:
         warm_up(llm)
-        outs = replay_realtime(llm.engine, requests, on_output)
+        outs = replay_realtime(llm.engine, requests, on_output, max_concurrency=users)
         return outs, llm.engine.steps
     finally:
         del llm
@@ -173,18 +176,27 @@ def _versions() -> dict:
     return out
 
 
-def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool = True) -> dict:
+def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool = True, repeat: int = 1,
+                 echo: Callable[[str], None] | None = None) -> dict:
     """Run every engine of the scenario, write ``results.json``, per-engine CSVs, PNGs and ``report.html``
     into ``out_dir``; returns the results dict.
 
     ``progress`` (optional) is called as ``progress(engine_name, kind, total)`` and must return a
-    callback taking each ``RequestOutput``. ``plots=False`` (issue 4: sweep points) skips the PNGs and
-    report.html.
+    callback taking each ``RequestOutput``. ``plots=False`` (sweep points) skips the PNGs and report.html.
+    ``repeat`` runs the real engines that many times, interleaved (paged, static, paged, static, ...), and
+    reports each summary number's mean plus ``summary.repeats`` (spread); sim engines run once (they are
+    deterministic). With ``trace.load`` the engines' saturation capacities are probed first (once) and the
+    trace is rescaled to the offered load; ``echo`` (optional) gets a line about each probe.
+
+    Raises:
+        ValueError: ``repeat`` < 1, a capacity probe in which nothing finished, or a bad trace/engine setting.
     """
     from transformers import AutoTokenizer
 
     from engines.model_store import resolve_model
 
+    if repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {repeat}")
     model_dir = resolve_model(scenario.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -197,31 +209,45 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         "scenario_hash": scenario_hash(scenario),
         "created": dt.datetime.now().isoformat(timespec="seconds"),
         "versions": _versions(),
-        "machine": {"platform": platform.platform(), "processor": cpu_name(), "cpus": os.cpu_count()},
+        "machine": machine_info(),
         "num_requests": len(trace),
         "formulas": FORMULAS,
         "engines": {},
     }
+    if scenario.trace.load is not None:
+        trace, results["load"], results["capacity"] = probe_load(scenario, trace, model_dir, model_cfg, eos, echo)
+    per_engine: dict[str, list] = {spec.name: [] for spec in scenario.engines}
+    for rep in range(repeat):
+        for spec in scenario.engines:
+            if rep > 0 and spec.kind == "sim":
+                continue
+            cb = progress(spec.name + (f" #{rep + 1}" if repeat > 1 else ""), spec.kind, len(trace)) if progress else None
+            runtime: dict = {}
+            outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime)
+            summary = summarize(outs, steps, len(trace), slo)
+            if (spec.policy or spec.kind) == "paged":  # the trace's reuse under an unlimited cache
+                ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
+                summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
+            if spec.kind == "openai":
+                add_openai_server_metrics(summary, outs)
+            per_engine[spec.name].append((summary, outs, steps, runtime))
     frames = {}
     for spec in scenario.engines:
-        cb = progress(spec.name, spec.kind, len(trace)) if progress else None
-        runtime: dict = {}
-        outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime)
-        summary = summarize(outs, steps, len(trace), slo)
-        if (spec.policy or spec.kind) == "paged":  # issue 5: the trace's reuse under an unlimited cache
-            ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
-            summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
-        if spec.kind == "openai":  # issue 6
-            add_openai_server_metrics(summary, outs)
+        runs = per_engine[spec.name]
+        summary = runs[0][0] if len(runs) == 1 else mean_summary([r[0] for r in runs])
+        runtime = runs[0][3]
         cfg = spec.model_dump(mode="json", exclude_none=True)
         results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary,
                                          **({"runtime": runtime} if runtime else {})}
-        rf, sf = requests_frame(outs), steps_frame(steps)
         edir = out_dir / spec.name
-        edir.mkdir(exist_ok=True)
-        rf.to_csv(edir / "requests.csv", index=False)
-        sf.to_csv(edir / "steps.csv", index=False)
-        frames[spec.name] = (rf, sf)
+        for i, (_, outs, steps, _) in enumerate(runs):
+            rdir = edir if i == 0 else edir / f"repeat-{i + 1}"
+            rdir.mkdir(parents=True, exist_ok=True)
+            rf, sf = requests_frame(outs), steps_frame(steps)
+            rf.to_csv(rdir / "requests.csv", index=False)
+            sf.to_csv(rdir / "steps.csv", index=False)
+            if i == 0:
+                frames[spec.name] = (rf, sf)
     add_sim_errors(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if not plots:
@@ -231,3 +257,84 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         (out_dir / name).write_bytes(png)
     write_html(out_dir / "report.html", results, plots)
     return results
+
+
+def machine_info() -> dict:
+    """Where the run happened: platform, CPU model, logical CPUs, torch's CPU kernel level (``AVX2``,
+    ``AVX512``...) and its thread count; the figures of a run only mean something beside these."""
+    import torch
+
+    return {"platform": platform.platform(), "processor": cpu_name(), "cpus": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads()}
+
+
+def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfig, eos,
+               echo: Callable[[str], None] | None = None) -> tuple[list, dict, dict]:
+    """Measure the saturation capacity of every engine that can be probed (kind paged, static, sim; the
+    load's engine first) on one sample of the trace, then rescale the trace to ``factor`` x the load
+    engine's capacity. Returns ``(trace, load, capacity)``: the ``results.json`` entries of the same names
+    (see ``FORMULAS``).
+
+    Raises:
+        ValueError: nothing of a probe finished.
+    """
+    from workbench.load import METHOD, apply_load, capacity_ratios, measure_capacities, probe_sample
+
+    load = scenario.trace.load
+    sample = probe_sample(trace, load.probe_requests)
+    names = [load.engine] + [e.name for e in scenario.engines if e.kind != "openai" and e.name != load.engine]
+    # the probe measures the engine, not the clients: all requests at once, no closed-loop cap
+    probe_sc = scenario.model_copy(update={"trace": scenario.trace.model_copy(update={"max_concurrency": None})})
+
+    def run(name: str, reqs) -> list:
+        spec = scenario.engine(name)
+        outs, _ = run_engine(probe_sc, spec, model_dir, model_cfg, reqs, eos)
+        if echo:
+            finished = [o for o in outs if o.finished_time is not None]
+            echo(f"capacity probe {name} ({spec.kind}): {len(reqs)} requests at once, "
+                 f"{max((o.finished_time for o in finished), default=0.0):.1f} s")
+        return outs
+
+    caps = measure_capacities(run, names, sample)
+    cap = caps[load.engine]["capacity_req_s"]
+    trace, rates = apply_load(trace, cap, load.factor, scenario.seed)
+    policies = {e.name: (e.policy or e.kind, e.kind == "sim") for e in scenario.engines if e.name in caps}
+    load_info = {"engine": load.engine, "factor": load.factor, "method": METHOD, "capacity_req_s": cap,
+                 **rates, "probe_requests": len(sample)}
+    capacity = {"method": METHOD, "probe_requests": len(sample), "engines": caps,
+                "ratios": capacity_ratios(caps, policies)}
+    return trace, load_info, capacity
+
+
+REPEAT_METRICS = ("output_throughput", "request_throughput", "total_token_throughput", "goodput", "duration_s",
+                  "ttft_ms.p50", "ttft_ms.p99", "tpot_ms.p50", "tpot_ms.p99", "itl_ms.p50", "itl_ms.p99",
+                  "e2el_ms.p50", "e2el_ms.p99", "kv_waste_frac", "num_preemptions")
+
+
+def mean_summary(summaries: list[dict]) -> dict:
+    """The mean of several runs' summaries (every number averaged; other values from the first run), with
+    ``repeats: {n, metrics: {metric: {mean, std, min, max, values}}}`` for :data:`REPEAT_METRICS`
+    (std with n - 1; 0 for one run)."""
+    import statistics
+
+    from workbench.compare import metric_value
+
+    def avg(vals):
+        first = vals[0]
+        if isinstance(first, dict):
+            return {k: avg([v[k] for v in vals]) for k in first}
+        if isinstance(first, (int, float)) and not isinstance(first, bool) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            return sum(vals) / len(vals)
+        return first
+
+    out = avg(summaries)
+    spread = {}
+    for m in REPEAT_METRICS:
+        vals = [v for v in (metric_value(s, m) for s in summaries) if v is not None]
+        if not vals:
+            continue
+        spread[m] = {"mean": sum(vals) / len(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                     "min": min(vals), "max": max(vals), "values": vals}
+    out["repeats"] = {"n": len(summaries), "metrics": spread}
+    return out

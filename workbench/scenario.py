@@ -109,6 +109,26 @@ class SyntheticSpec(_Model):
         return self
 
 
+class LoadSpec(_Model):
+    """Offered load relative to an engine's capacity on this machine (``trace.load``).
+
+    The trace's arrival times are rescaled (as ``request_rate`` does) so that its offered request rate is
+    ``factor`` x the capacity of the engine named ``engine``, measured before the replay by a saturation
+    probe (``workbench.load``): ``probe_requests`` requests of the trace, spread evenly over it, all
+    arriving at once; capacity = finished requests / the probe's duration (req/s). Every machine then runs
+    the scenario at the same relative load, whatever its speed.
+
+    Attributes:
+        engine: name of an engine of the scenario (kind paged, static or sim).
+        factor: offered rate / capacity (1.0 = as fast as the engine can go; > 1 overloads it).
+        probe_requests: requests in the saturation probe (default: min(trace length, 24)).
+    """
+
+    engine: str = Field(min_length=1)
+    factor: float = Field(gt=0, allow_inf_nan=False)
+    probe_requests: int | None = Field(None, ge=1)
+
+
 class TraceSpec(_Model):
     """Which trace to replay and how to cut and rescale it.
 
@@ -118,10 +138,16 @@ class TraceSpec(_Model):
             ``workbench/data/traces/``. Required unless format is synthetic (not allowed then).
         limit, sample, time_scale, request_rate, burstiness, max_input_tokens, max_output_tokens,
             length_scale: see ``workbench.traces.apply_transforms`` (rates in req/s, lengths in tokens).
+        max_concurrency: closed-loop users (as ``vllm bench serve --max-concurrency``): at most this many
+            requests in flight (sent and not yet ended); a request is sent at the later of its arrival time
+            and the moment one of the users' previous requests ends, and its latencies are measured from
+            then. None = open loop (every request sent at its arrival time).
         block_tokens: mooncake only: tokens per prefix block in the replay (512 = as recorded).
         default_output_tokens: sharegpt only: output length when a conversation has no reply.
         burstgpt_model, burstgpt_log_type: burstgpt only: row filters.
         synthetic: settings for format synthetic (required then, not allowed otherwise).
+        load: offered load relative to an engine's measured capacity (:class:`LoadSpec`); sets the
+            arrival rate, so it excludes ``request_rate`` and ``time_scale``.
     """
 
     format: TraceFormat
@@ -131,6 +157,7 @@ class TraceSpec(_Model):
     time_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
     request_rate: float | None = Field(None, gt=0)
     burstiness: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_concurrency: int | None = Field(None, ge=1)
     max_input_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)
     length_scale: float | None = Field(None, gt=0, allow_inf_nan=False)
@@ -139,9 +166,14 @@ class TraceSpec(_Model):
     burstgpt_model: str | None = None
     burstgpt_log_type: str | None = None
     synthetic: SyntheticSpec | None = None
+    load: LoadSpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TraceSpec":
+        if self.load is not None:
+            for name in ("request_rate", "time_scale"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} and load both set the arrival rate: set one of them")
         if self.format == "synthetic":
             if self.synthetic is None:
                 raise ValueError("format synthetic needs a 'synthetic' section (num_requests, request_rate, ...)")
@@ -175,6 +207,10 @@ class EngineSpec(_Model):
         max_model_len: longest prompt + output in tokens (None = the model's).
         max_batch_size: static batch size (requests).
         reservation: static KV reservation ``max``, ``pow2`` or ``oracle``.
+        completion: static-policy engines only (kind static, or kind sim with policy static): when a request's
+            answer is returned, so its finish time and E2EL: ``batch_end`` (default when unset: when the last
+            member of its batch finishes, as a static-batching server answers) or ``own_end`` (its own last
+            token).
         dtype: ``float32`` or ``bfloat16``.
         policy: sim only: the scheduling policy simulated, ``paged`` (default) or ``static``.
         cost_model: sim only: a profile JSON (relative to the scenario's folder), ``builtin:cpu`` (default)
@@ -212,6 +248,7 @@ class EngineSpec(_Model):
     max_model_len: int | None = Field(None, ge=1)
     max_batch_size: int = Field(64, ge=1)
     reservation: Literal["max", "pow2", "oracle"] = "max"
+    completion: Literal["batch_end", "own_end"] | None = None  # None: batch_end (left out of scenario_hash)
     dtype: Literal["float32", "bfloat16"] = "float32"
     policy: Literal["paged", "static", "orca"] | None = None
     cost_model: str | None = None
@@ -302,6 +339,15 @@ class EngineSpec(_Model):
                     raise ValueError(f"{name} is only for kind openai (kind is {self.kind})")
         return self
 
+    @model_validator(mode="after")
+    def _check_completion(self) -> "EngineSpec":
+        static = self.kind == "static" or (self.kind == "sim" and self.policy == "static")
+        if self.completion is not None and not static:
+            where = f"kind {self.kind}" + (f", policy {self.policy}" if self.kind == "sim" else "")
+            raise ValueError(f"completion is only for static-policy engines (kind static, or kind sim with "
+                             f"policy static; {where})")
+        return self
+
 
 # -- issue 7: GPU what-if checks of a sim engine
 ANALYTIC = "analytic"
@@ -375,6 +421,18 @@ class Scenario(_Model):
                 raise ValueError(f"engine names must be unique: {e.name!r} is engines.{first[e.name]} and engines.{i}")
             first[e.name] = i
         return v
+
+    @model_validator(mode="after")
+    def _check_load(self) -> "Scenario":
+        load = self.trace.load
+        if load is not None:
+            kinds = {e.name: e.kind for e in self.engines}
+            if load.engine not in kinds:
+                raise ValueError(f"trace.load.engine: no engine named {load.engine!r}; engines: {', '.join(kinds)}")
+            if kinds[load.engine] == "openai":
+                raise ValueError(f"trace.load.engine: {load.engine} is kind openai; the capacity probe runs an "
+                                 "engine of kind paged, static or sim")
+        return self
 
     @property
     def base_dir(self) -> Path:

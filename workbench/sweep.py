@@ -15,9 +15,9 @@ first, then the real points one by one in the parent process; the Ray executor g
 whole node's CPUs and each simulator point one CPU.
 
 Outputs in the sweep folder: ``sweep.csv`` (one row per point x engine: the point's override values,
-the engine's block_size / max_num_seqs / offered request rate, and its summary metrics), ``sweep.json``
-(axes and points), ``sweep.png`` and ``sweep_report.html`` (self-contained; see
-:mod:`workbench.sweep_report`).
+the engine's block_size / max_num_seqs / offered request rate / closed-loop users (``trace.max_concurrency``),
+and its summary metrics), ``sweep.json`` (axes and points), ``sweep.png`` and ``sweep_report.html``
+(self-contained; see :mod:`workbench.sweep_report`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ METRIC_COLUMNS = {
     "output_throughput": "output_throughput", "request_throughput": "request_throughput",
     "total_token_throughput": "total_token_throughput", "goodput": "goodput",
     "ttft_ms_p50": "ttft_ms.p50", "ttft_ms_p99": "ttft_ms.p99", "tpot_ms_p50": "tpot_ms.p50",
-    "tpot_ms_p99": "tpot_ms.p99", "itl_ms_p50": "itl_ms.p50", "e2el_ms_p50": "e2el_ms.p50",
+    "tpot_ms_p99": "tpot_ms.p99", "itl_ms_p50": "itl_ms.p50", "itl_ms_p99": "itl_ms.p99", "e2el_ms_p50": "e2el_ms.p50",
     "e2el_ms_p99": "e2el_ms.p99", "kv_waste_frac": "kv_waste_frac", "kv_usage_mean": "kv_usage_mean",
     "num_preemptions": "num_preemptions", "num_finished": "num_finished", "num_rejected": "num_rejected",
     "num_failed": "num_failed", "duration_s": "duration_s",
@@ -145,12 +145,16 @@ def plan(scenario_path: str | Path, items: list[str]) -> tuple[list[tuple[str, l
 
 def offered_rate(results: dict, out_dir: Path) -> float:
     """The offered request rate of a run (req/s): ``trace.request_rate``, else the synthetic rate, else the
-    replayed arrivals' (count - 1) / span read from the first engine's requests.csv (NaN if unknown)."""
+    replayed arrivals' (count - 1) / span read from the first engine's requests.csv (NaN if unknown; also
+    with closed-loop users, ``trace.max_concurrency``, whose arrivals are send times that follow the
+    engine, not the offered schedule)."""
     tr = results.get("scenario", {}).get("trace", {})
     if tr.get("request_rate") is not None:
         return float(tr["request_rate"])
     if (tr.get("synthetic") or {}).get("request_rate") is not None:
         return float(tr["synthetic"]["request_rate"])
+    if tr.get("max_concurrency") is not None:
+        return math.nan
     import pandas as pd
 
     for name in results.get("engines", {}):
@@ -167,6 +171,7 @@ def point_rows(point: Point, results: dict, out_dir: Path) -> list[dict]:
     from workbench.compare import metric_value
 
     rate = offered_rate(results, out_dir)
+    users = results.get("scenario", {}).get("trace", {}).get("max_concurrency")
     rows = []
     for name, e in results["engines"].items():
         cfg, s = e.get("config", {}), e["summary"]
@@ -175,7 +180,7 @@ def point_rows(point: Point, results: dict, out_dir: Path) -> list[dict]:
             row[ENGINE_AXIS + "_axis"] = point.engine
         row.update({"engine": name, "kind": e["kind"], "policy": cfg.get("policy") or e["kind"],
                     "block_size": cfg.get("block_size"), "max_num_seqs": cfg.get("max_num_seqs"),
-                    "request_rate": rate})
+                    "request_rate": rate, "max_concurrency": math.nan if users is None else users})
         row.update({col: metric_value(s, path) for col, path in METRIC_COLUMNS.items()})
         row["dir"] = point.id
         rows.append(row)

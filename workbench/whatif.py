@@ -52,4 +52,4 @@ def build_whatif_sim(scenario: Scenario, spec: EngineSpec, model_cfg, measured: 
         kv_cache_bytes=spec.kv_cache_bytes, gpu_memory_utilization=spec.gpu_memory_utilization,
         activation_reserve_bytes=reserve, seed=scenario.seed, max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens, max_model_len=spec.max_model_len,
-        max_batch_size=spec.max_batch_size, reservation=spec.reservation)
+        max_batch_size=spec.max_batch_size, reservation=spec.reservation, completion=spec.completion)
