@@ -211,7 +211,7 @@ def load_lines(results: dict) -> list[str]:
         sat = e["summary"].get("saturation") or {}
         if sat.get("final_queue") is not None:
             kept = "kept up" if sat["final_queue"] == 0 and sat["waiting_time_frac"] < 0.1 else "saturated"
-            lines.append(f"{n}: {kept} (queue at the last arrival {sat['final_queue']}, waiting queue "
+            lines.append(f"{n}: {kept} (queue at the last arrival {sat['final_queue']:.3g}, waiting queue "
                          f"{sat['waiting_time_frac']:.0%} of the run)")
         rep = e["summary"].get("repeats")
         if rep:
