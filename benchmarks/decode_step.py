@@ -16,8 +16,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines import LLM, SamplingParams  # noqa: E402
-from engines.profiler import median_time  # noqa: E402
-from engines.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engines.core.scheduler import ScheduledSeq, SchedulerOutput  # noqa: E402
+from engines.sim.profiler import median_time  # noqa: E402
 
 
 def timed(fn) -> float:

@@ -56,8 +56,8 @@ def main() -> int:
 
     import torch
 
-    from engines.llm_engine import LLM
-    from engines.sampling_params import SamplingParams
+    from engines.core.sampling_params import SamplingParams
+    from engines.llm import LLM
     from tiny_model import make_tiny_llama
 
     folder = make_tiny_llama(Path(tempfile.mkdtemp()) / "m", "llama", num_hidden_layers=4, hidden_size=512,

@@ -17,9 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.config import ModelConfig  # noqa: E402
-from engines.cost_model import CostModel  # noqa: E402
-from engines.simulator import build_sim_engine, simulate  # noqa: E402
+from engines.core.config import ModelConfig  # noqa: E402
+from engines.factory import build_sim_engine  # noqa: E402
+from engines.sim.cost_model import CostModel  # noqa: E402
+from engines.sim.simulator import simulate  # noqa: E402
 from workbench.metrics import summarize  # noqa: E402
 from workbench.replay import make_requests  # noqa: E402
 from workbench.traces import load_trace  # noqa: E402
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--profile", default=str(ROOT / "workbench" / "data" / "profiles" / "cpu.json"))
     ap.add_argument("--kv-cache-tokens", type=int, default=1_000_000)
     a = ap.parse_args()
-    from engines.model_store import resolve_model
+    from engines.real.model_store import resolve_model
 
     cfg = ModelConfig.from_dir(resolve_model("smollm2-135m"))
     t0 = time.perf_counter()

@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "reports" / "bench" / "throughput.json"))
     a = ap.parse_args()
     torch.set_num_threads(2)
-    from engines.model_store import resolve_model
+    from engines.real.model_store import resolve_model
     from transformers import AutoTokenizer
 
     model_dir = resolve_model(a.model)

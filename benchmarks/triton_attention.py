@@ -1,11 +1,11 @@
 """Achieved memory bandwidth of the Triton paged-attention decode kernel against the GPU's peak.
 
-Needs a CUDA GPU (not run in CI; no GPU was lent to the issue-7 session, so no figures yet). For each
+Needs a CUDA GPU (not run in CI; no GPU was at hand when it was written, so no figures yet). For each
 (batch, context length) it times ``kernels.triton_attention.paged_attention_decode`` on one layer's
 cache (bf16, block_size 16, Llama-3.1-8B-like heads: 32 query / 8 KV heads, head_dim 128; random
 block tables) with CUDA events (median of --iters), counts the bytes the kernel must read (K and V of
 every context token, plus q and out) and prints achieved GB/s and the fraction of the catalogue peak
-(``engines/data/hardware.yaml``; the GPU is matched by name or given with --hardware).
+(``engines/sim/data/hardware.yaml``; the GPU is matched by name or given with --hardware).
 
     python benchmarks/triton_attention.py [--hardware h100-sxm] [--iters 50] [--csv out.csv]
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engines.catalog import get_hardware  # noqa: E402
+from engines.sim.catalog import get_hardware  # noqa: E402
 
 NAME_TO_KEY = [("H200", "h200"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80gb"), ("A100 80GB", "a100-80gb"),
                ("A100", "a100-40gb"), ("L40S", "l40s")]

@@ -1,6 +1,11 @@
-"""Serving engines: paged continuous batching, static batching baseline, and their shared parts."""
+"""Serving engines: the shared core (requests, KV managers, policies, the engine loop), the real model
+(``engines.real``), the simulator (``engines.sim``) and the factory that assembles an engine from them.
 
-from engines.llm_engine import LLM, LLMEngine, RequestOutput
-from engines.sampling_params import SamplingParams
+The public offline API is exported here: ``LLM``, ``SamplingParams`` (and ``LLMEngine``, ``RequestOutput``).
+"""
+
+from engines.core.llm_engine import LLMEngine, RequestOutput
+from engines.core.sampling_params import SamplingParams
+from engines.llm import LLM
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -32,6 +32,6 @@ def tiny_model_dirs(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M folder; pulled on first use (about a minute)."""
-    from engines.model_store import resolve_model
+    from engines.real.model_store import resolve_model
 
     return resolve_model("smollm2-135m")

@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
-from engines.beam_search import BeamGroup, f32
-from engines.config import SchedulerConfig
-from engines.kv_cache_manager import PagedKVCacheManager, cdiv
-from engines.request import Request, RequestStatus
-from engines.sampling_params import SamplingParams
-from engines.scheduler import PagedScheduler, StepResult
+from engines.core.beam_search import BeamGroup, f32
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import PagedKVCacheManager, cdiv
+from engines.core.paged_scheduler import PagedScheduler
+from engines.core.request import Request, RequestStatus
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import StepResult
 from test_prefix_cache import FakeKVExecutor, check_step
 
 MAX_TOKENS = 12
@@ -35,7 +36,7 @@ def test_sampling_params_validate_beam_search():
 def engines(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     return LLM(tiny_llama_dir, kv_cache_tokens=4096, block_size=BLOCK), hf
@@ -98,7 +99,7 @@ def test_n_returns_the_n_best(engines):
 
 
 def test_beams_share_blocks_and_free_them(tiny_llama_dir):
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     width, plen = 4, 200
     prompt = torch.randint(3, 300, (plen,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -203,8 +204,8 @@ def test_selection_keeps_top_2w_and_only_top_w_may_finish():
 
 
 def test_static_engine_and_tiny_pool_reject_beam_search():
-    from engines.kv_cache_manager import ContiguousKVCacheManager
-    from engines.static_scheduler import StaticScheduler
+    from engines.core.kv_cache_manager import ContiguousKVCacheManager
+    from engines.core.static_scheduler import StaticScheduler
 
     static = StaticScheduler(SchedulerConfig(max_model_len=128), ContiguousKVCacheManager(64, 4))
     r = Request("x", [3, 4, 5], SamplingParams(beam_width=2))
@@ -215,8 +216,8 @@ def test_static_engine_and_tiny_pool_reject_beam_search():
 
 
 def test_simulator_decodes_beam_width_sequences():
-    from engines.cost_model import CostModel
-    from engines.simulator import make_sim_engine, simulate
+    from engines.sim.cost_model import CostModel
+    from engines.sim.simulator import make_sim_engine, simulate
 
     kv = PagedKVCacheManager(num_blocks=64, block_size=4, enable_caching=True)
     eng = make_sim_engine(PagedScheduler(SchedulerConfig(max_model_len=128), kv), CostModel({"const": 0.01}))

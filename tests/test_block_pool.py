@@ -2,15 +2,10 @@
 
 import pytest
 
-from engines.block_pool import BlockPool, BlockPoolError
-from engines.kv_cache_manager import (
-    ContiguousKVCacheManager,
-    PagedKVCacheManager,
-    cdiv,
-    reservation_tokens,
-)
-from engines.request import Request
-from engines.sampling_params import SamplingParams
+from engines.core.block_pool import BlockPool, BlockPoolError
+from engines.core.kv_cache_manager import ContiguousKVCacheManager, PagedKVCacheManager, cdiv, reservation_tokens
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 16, computed: int = 0) -> Request:

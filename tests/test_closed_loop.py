@@ -11,12 +11,12 @@ import yaml
 from typer.testing import CliRunner
 
 from engines import LLM
-from engines.config import SchedulerConfig
-from engines.cost_model import CostModel
-from engines.llm_engine import build_scheduler
-from engines.request import Request
-from engines.sampling_params import SamplingParams
-from engines.simulator import make_sim_engine, requests_in_flight, simulate
+from engines.core.config import SchedulerConfig
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
+from engines.factory import build_scheduler
+from engines.sim.cost_model import CostModel
+from engines.sim.simulator import make_sim_engine, requests_in_flight, simulate
 from server_helpers import running_server
 from workbench.cli import app
 from workbench.replay import replay_realtime
@@ -118,7 +118,7 @@ def test_real_engine_failed_step_keeps_every_request(tiny_llm):
 
 
 def test_real_engine_max_concurrency_through_the_runner(tiny_llama_dir):
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
     from workbench.runner import run_engine
     from workbench.scenario import load_scenario_trace
 

@@ -1,4 +1,4 @@
-"""Where the real engine runs (issue 7): the ``device`` knob and the attention kernels picked for it.
+"""Where the real engine runs: the ``device`` knob and the attention kernels picked for it.
 
 This machine has no GPU, so the CUDA branch is checked through what it picks (Triton kernels for a CUDA
 device, never the compiled CPU kernel) and through the Triton kernels themselves in the interpreter
@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from engines.model import pick_attention, resolve_device
+from engines.real.model import pick_attention, resolve_device
 from kernels import paged_attention as ref
 
 NO_CUDA = not torch.cuda.is_available()
@@ -63,8 +63,8 @@ def test_cpu_keeps_the_compiled_kernel_and_never_auto_picks_triton():
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CPU-only behaviour")
 def test_llm_with_cuda_fails_before_loading_weights(tiny_llama_dir, monkeypatch):
-    from engines import model as model_mod
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
+    from engines.real import model as model_mod
 
     def no_load(*a, **k):
         raise AssertionError("weights loaded before the device was checked")

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.llm_engine import LLM
-from engines.sampling_params import SamplingParams
+from engines.core.sampling_params import SamplingParams
+from engines.llm import LLM
 
 
 def reference(model_dir, prompts, max_new_tokens):

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from engines.cost_model import CostModel
+from engines.sim.cost_model import CostModel
 from workbench.cli import app
 from workbench.load import apply_load, capacity_from_outputs, offered_rate, probe_sample
 from workbench.runner import mean_summary, run_scenario
@@ -69,7 +69,7 @@ def test_apply_load_rescales_to_factor_times_capacity():
 
 
 def test_capacity_from_outputs_and_no_finished_request():
-    from engines.llm_engine import RequestOutput
+    from engines.core.llm_engine import RequestOutput
 
     def out(rid, fin, n, reason="length"):
         return RequestOutput(rid, None, [1], [7] * n, "", reason, arrival_time=0.0, finished_time=fin)

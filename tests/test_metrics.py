@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engines.llm_engine import StepRecord
+from engines.core.llm_engine import StepRecord
 from workbench.metrics import dist, kv_summary, request_metrics, summarize
 
 

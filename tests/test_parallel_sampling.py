@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.config import SchedulerConfig
-from engines.kv_cache_manager import PagedKVCacheManager
-from engines.request import Request, RequestStatus
-from engines.sampling_params import SamplingParams
-from engines.scheduler import PagedScheduler
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import PagedKVCacheManager
+from engines.core.paged_scheduler import PagedScheduler
+from engines.core.request import Request, RequestStatus
+from engines.core.sampling_params import SamplingParams
 from test_prefix_cache import FakeKVExecutor, check_step
 
 
@@ -74,7 +74,7 @@ def test_children_survive_preemption_and_parent_finishing_first():
 
 
 def test_n4_uses_at_most_40_percent_of_independent_kv_and_matches_them(tiny_llama_dir):
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     prompt = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(tiny_llama_dir, kv_cache_tokens=4096)
@@ -93,7 +93,7 @@ def test_n4_uses_at_most_40_percent_of_independent_kv_and_matches_them(tiny_llam
 
 
 def test_best_of_returns_n_highest_logprob(tiny_llama_dir):
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     prompt = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     llm = LLM(tiny_llama_dir, kv_cache_tokens=2048)
@@ -110,8 +110,8 @@ def test_best_of_returns_n_highest_logprob(tiny_llama_dir):
 
 @pytest.mark.parametrize("n", [2])
 def test_simulator_forks_too(n):
-    from engines.cost_model import CostModel
-    from engines.simulator import make_sim_engine, simulate
+    from engines.sim.cost_model import CostModel
+    from engines.sim.simulator import make_sim_engine, simulate
 
     kv = PagedKVCacheManager(num_blocks=64, block_size=4, enable_caching=True)
     eng = make_sim_engine(PagedScheduler(SchedulerConfig(max_model_len=128), kv), CostModel({"const": 0.01}))

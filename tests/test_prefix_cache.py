@@ -10,12 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.block_pool import BlockPool, hash_block_tokens
-from engines.config import SchedulerConfig
-from engines.kv_cache_manager import PagedKVCacheManager, cdiv
-from engines.request import Request, RequestStatus
-from engines.sampling_params import SamplingParams
-from engines.scheduler import PagedScheduler, SchedulerOutput, StepResult
+from engines.core.block_pool import BlockPool, hash_block_tokens
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import PagedKVCacheManager, cdiv
+from engines.core.paged_scheduler import PagedScheduler
+from engines.core.request import Request, RequestStatus
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import SchedulerOutput, StepResult
 
 PROPS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -376,7 +377,7 @@ def _prompts():
 def test_greedy_exact_with_prefix_caching_and_chunked_prefill(tiny_llama_dir, caching, chunked):
     from test_engine_tiny import GREEDY
 
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     prompts = _prompts()
     ref = cached_reference(tiny_llama_dir, prompts, 12)
@@ -399,7 +400,7 @@ def test_greedy_exact_with_prefix_caching_and_chunked_prefill(tiny_llama_dir, ca
 def test_greedy_exact_under_preemption_mid_chunked_prefill(tiny_llama_dir, mode):
     from test_engine_tiny import GREEDY, LENGTHS, prompts_of
 
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     prompts = prompts_of(LENGTHS, seed=3) + _prompts()[:2]
     ref = cached_reference(tiny_llama_dir, prompts, 12)

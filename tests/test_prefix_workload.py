@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.prefix_workload import ideal_prefix_hit_rate, make_shared_prefix_trace
 from workbench.scenario import ScenarioError, load_scenario, validate_scenario
+from workbench.traces.prefix import ideal_prefix_hit_rate, make_shared_prefix_trace
 
 ROOT = Path(__file__).parent.parent
 
@@ -50,7 +50,7 @@ def test_bool_knobs_parse_and_bad_values_are_one_line_errors(tmp_path):
 
 
 def test_simulated_prefix_sharing_scenario():
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
     from workbench.metrics import summarize
     from workbench.runner import run_engine
     from workbench.scenario import load_scenario_trace

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from engines.llm_engine import LLM
-from engines.sampling_params import SamplingParams
+from engines.core.sampling_params import SamplingParams
+from engines.llm import LLM
 
 pytestmark = pytest.mark.real_model
 

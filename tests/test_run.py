@@ -6,7 +6,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from engines.cost_model import CostModel
+from engines.sim.cost_model import CostModel
 from workbench.cli import app
 from workbench.runner import run_scenario
 from workbench.scenario import load_scenario
@@ -52,7 +52,7 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
     assert res["engines"]["static"]["summary"]["kv_waste_frac"] > res["engines"]["paged"]["summary"]["kv_waste_frac"]
     assert res["engines"]["sim-paged"]["summary"]["sim_error"]["real_engine"] == "paged"
     assert res["engines"]["sim-static"]["summary"]["sim_error"]["real_engine"] == "static"
-    # issue 7: where each real engine ran and on which attention kernels (the simulator has no runtime)
+    # where each real engine ran and on which attention kernels (the simulator has no runtime)
     import torch
 
     from kernels import cpu_ops

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from engines.detokenizer import IncrementalDetokenizer
-from engines.sampler import Sampler
-from engines.sampling_params import SamplingParams
+from engines.core.detokenizer import IncrementalDetokenizer
+from engines.core.sampling_params import SamplingParams
+from engines.real.sampler import Sampler
 
 # --------------------------------------------------------------------------------------------
 # Sampler

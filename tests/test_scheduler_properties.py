@@ -15,12 +15,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engines.config import SchedulerConfig
-from engines.kv_cache_manager import ContiguousKVCacheManager, PagedKVCacheManager, cdiv
-from engines.request import Request, RequestStatus
-from engines.sampling_params import SamplingParams
-from engines.scheduler import PagedScheduler, SchedulerOutput, StepResult
-from engines.static_scheduler import PAD_BLOCK, StaticScheduler
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import ContiguousKVCacheManager, PagedKVCacheManager, cdiv
+from engines.core.paged_scheduler import PagedScheduler
+from engines.core.request import Request, RequestStatus
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import SchedulerOutput, StepResult
+from engines.core.static_scheduler import PAD_BLOCK, StaticScheduler
 
 EOS = 2
 ENDED = {

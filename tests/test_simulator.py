@@ -2,13 +2,13 @@
 
 import pytest
 
-from engines.config import SchedulerConfig
-from engines.cost_model import CostModel, step_features
-from engines.llm_engine import build_scheduler
-from engines.profiler import fit_with_holdout
-from engines.request import Request
-from engines.sampling_params import SamplingParams
-from engines.simulator import make_sim_engine, simulate
+from engines.core.config import SchedulerConfig
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
+from engines.factory import build_scheduler
+from engines.sim.cost_model import CostModel, step_features
+from engines.sim.profiler import fit_with_holdout
+from engines.sim.simulator import make_sim_engine, simulate
 
 CM = CostModel({"const": 0.01, "tokens": 0.001, "decode_ctx": 0.0, "prefill_attn": 0.0, "sampled": 0.0})
 
@@ -71,7 +71,7 @@ def test_cost_model_fit_recovers_coefficients_and_round_trips(tmp_path):
 
 
 def test_step_features():
-    from engines.scheduler import ScheduledSeq
+    from engines.core.scheduler import ScheduledSeq
 
     sp = SamplingParams()
     seqs = [ScheduledSeq("a", [1], 99, [0], True, sp), ScheduledSeq("b", [1] * 10, 20, [0], False, sp)]

@@ -5,14 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.config import SchedulerConfig
-from engines.cost_model import CostModel, step_features
-from engines.kv_cache_manager import ContiguousKVCacheManager
-from engines.llm_engine import LLM, build_scheduler
-from engines.request import Request
-from engines.sampling_params import SamplingParams
-from engines.simulator import build_sim_engine, make_sim_engine, simulate
-from engines.static_scheduler import PAD_BLOCK, StaticScheduler
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import ContiguousKVCacheManager
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
+from engines.core.static_scheduler import PAD_BLOCK, StaticScheduler
+from engines.factory import build_scheduler
+from engines.factory import build_sim_engine
+from engines.llm import LLM
+from engines.sim.cost_model import CostModel, step_features
+from engines.sim.simulator import make_sim_engine, simulate
 from workbench.metrics import request_metrics
 from workbench.scenario import ScenarioError, scenario_hash, validate_scenario
 
@@ -29,7 +31,7 @@ def req(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.0) -> Req
 
 def step(sched, out, tok: int = 1):
     """Advance ``sched`` by ``out`` as an executor would, sampling ``tok`` for every sampled row."""
-    from engines.scheduler import StepResult
+    from engines.core.scheduler import StepResult
 
     return sched.update(out, StepResult({s.request_id: tok for s in out.seqs if s.sample and not s.is_padding}, 0.0))
 
@@ -94,7 +96,7 @@ def test_simulated_static_e2el_is_the_batch_end_by_default():
 
 
 def test_build_sim_engine_takes_completion_for_the_static_policy_only(tiny_llama_dir):
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     mc = ModelConfig.from_dir(tiny_llama_dir)
     eng = build_sim_engine("static", mc, CM, kv_cache_tokens=1024, max_batch_size=2, completion="own_end")

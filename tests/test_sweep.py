@@ -8,7 +8,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from engines.cost_model import CostModel
+from engines.sim.cost_model import CostModel
 from workbench.cli import app
 from workbench.scenario import ScenarioError
 from workbench.sweep import expand_grid, parse_axes, plan

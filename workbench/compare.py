@@ -162,7 +162,7 @@ def compare_command(results: list[str], markdown: str | None, force: bool, metri
     from rich.console import Console
     from rich.table import Table
 
-    from workbench.cli import fail
+    from workbench.cli_errors import fail
 
     if len(results) < 2:
         fail("compare needs at least two results.json files (or run folders)")

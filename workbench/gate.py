@@ -14,7 +14,8 @@ A gate compares one or more runs of a scenario (``results.json`` files, or runs 
 every engine that has it, or prefixed with an engine name (``paged.output_throughput``) for one.
 
 With several runs on either side (``--repeat N``, several RESULTS, or a baseline made from several
-runs) a bound compares 95% confidence intervals, mean ± t(0.975, n-1)·s/√n (Student's t), instead of
+runs) a bound compares 95% confidence intervals, mean ± t(0.975, n-1)·s/√n (Student's t, see
+``workbench.stats.mean_interval``), instead of
 single values: a drop is a violation only when the whole interval of the new runs lies below the bound
 computed from the low end of the baseline's interval (a rise: mirrored). With one run on each side this
 is the plain comparison of values.
@@ -40,26 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.compare import ResultsError, flatten, fmt, load_run
+from workbench.stats import mean_interval, t975
 
 BASELINE_FORMAT = "workbench-baseline/1"
 ABS_TOL = 1e-9  # absolute slack so that exact zeros and float round-off never fail a bound
 
-# Student's t at 0.975 (two-sided 95%) by degrees of freedom (NIST/SEMATECH e-Handbook, table 1.3.6.7.2).
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-         20: 2.086, 25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}
-
 
 class GateError(ValueError):
     """Bad gate input (bound syntax, unknown metric or engine, unreadable baseline); one line."""
-
-
-def t975(df: int) -> float:
-    """Student's t quantile at 0.975 for ``df`` degrees of freedom (table; conservative between rows)."""
-    if df < 1:
-        return 0.0
-    best = max(k for k in _T975 if k <= df) if df <= 120 else None
-    return _T975[best] if best is not None else 1.960
 
 
 @dataclass
@@ -72,12 +61,13 @@ class Interval:
 
     @classmethod
     def of(cls, values: list[float]) -> "Interval":
-        n = len(values)
-        m = sum(values) / n
-        if n < 2:
-            return cls(m, 0.0, n)
-        s = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
-        return cls(m, t975(n - 1) * s / math.sqrt(n), n)
+        """The 95% interval of the mean of ``values`` (:func:`workbench.stats.mean_interval`).
+
+        Raises:
+            ValueError: ``values`` is empty.
+        """
+        m, half = mean_interval(values, 0.95)
+        return cls(m, half, len(values))
 
     def __str__(self) -> str:
         return fmt(self.mean) if self.n < 2 else f"{fmt(self.mean)} ± {fmt(self.half)}"
@@ -351,7 +341,7 @@ def gate_command(results: list[str], baseline: str | None, max_drop: list[str], 
     from rich.console import Console
     from rich.table import Table
 
-    from workbench.cli import fail
+    from workbench.cli_errors import fail
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     if repeat < 1:

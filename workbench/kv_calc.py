@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engines.catalog import GIB, MIB, get_hardware, get_model, kv_heads_per_gpu, kv_dtype_bytes, memory_plan
+from engines.sim.catalog import GIB, MIB, get_hardware, get_model, kv_dtype_bytes, kv_heads_per_gpu, memory_plan
 
 
 def kv_calc(model: str, dtype: str = "bf16", tokens: int = 2048, hardware: str | None = None, tp: int = 1,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.stats import percentiles
+
 FORMULAS = {
     "duration_s": "max(finish time) - min(arrival time) over the trace's requests (s)",
     "request_throughput": "finished requests / duration_s (req/s)",
@@ -25,7 +27,7 @@ FORMULAS = {
     "percentiles": "numpy.percentile, linear interpolation (as vllm bench serve)",
     # issue 5
     "prefix_cache_hit_rate": "prefix_cache_hits / prefix_cache_queries: prompt tokens found in the prefix cache over tokens looked up at first admission (vllm:prefix_cache_hits / vllm:prefix_cache_queries); re-admissions after a recompute preemption are not counted",
-    "prefix_cache_ideal_hit_rate": "the trace's hit rate under an unlimited prefix cache: requests in arrival order, each hits its longest run of leading full blocks some earlier prompt had, at most prompt length - 1 tokens (workbench.prefix_workload.ideal_prefix_hit_rate)",
+    "prefix_cache_ideal_hit_rate": "the trace's hit rate under an unlimited prefix cache: requests in arrival order, each hits its longest run of leading full blocks some earlier prompt had, at most prompt length - 1 tokens (workbench.traces.prefix.ideal_prefix_hit_rate)",
     "num_preemptions_recompute": "preemptions that freed the victim's blocks (recomputed later)",
     "num_preemptions_swap": "preemptions that copied the victim's blocks to the CPU swap pool",
     "swap_bytes": "KV bytes copied between the device pool and the CPU swap pool, both directions",
@@ -39,12 +41,14 @@ FORMULAS = {
 
 
 def dist(values_s) -> dict[str, float]:
-    """``{mean, p50, p90, p99}`` in milliseconds of a list of seconds (zeros when empty)."""
+    """``{mean, p50, p90, p99}`` in milliseconds of an iterable of seconds (zeros when empty).
+
+    Percentiles are :func:`workbench.stats.percentiles` (``numpy.percentile``, linear, as vllm bench serve).
+    """
     v = np.asarray(list(values_s), dtype=float) * 1000.0
     if v.size == 0:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    return {"mean": float(v.mean()), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-            "p99": float(np.percentile(v, 99))}
+    return {"mean": float(v.mean()), **percentiles(v, (50, 90, 99))}
 
 
 @dataclass

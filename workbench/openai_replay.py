@@ -22,7 +22,7 @@ import json
 import time
 from typing import Callable
 
-from engines.llm_engine import RequestOutput
+from engines.core.llm_engine import RequestOutput
 from workbench.traces import TraceRequest
 
 REJECT_STATUSES = (400, 413, 422, 503)

@@ -1,5 +1,5 @@
 """``workbench paper-check``: sweep a scenario's request rate on its sim engines and find, for each,
-the highest rate it sustains before normalized latency blows up (PagedAttention paper, Fig. 12; issue 7).
+the highest rate it sustains before normalized latency blows up (PagedAttention paper, Fig. 12).
 
 Normalized latency (the paper's metric, Sec. 6.1): the mean over finished requests of end-to-end
 latency divided by output tokens (s/token). A system "sustains" a rate while its normalized latency
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.simulator import simulate
+from engines.sim.simulator import simulate
 from workbench.replay import make_requests
 from workbench.scenario import Scenario, apply_overrides, load_scenario_trace, validate_scenario
 
@@ -34,7 +34,8 @@ def sweep(scenario: Scenario, rates: list[float], progress=None) -> list[dict]:
     Raises:
         ValueError: the scenario has no sim engine, or an engine cannot be built.
     """
-    from workbench.whatif import build_whatif_sim
+    from engines.factory import build_engine
+    from workbench.runner import engine_config
 
     engines = [e for e in scenario.engines if e.kind == "sim"]
     if not engines:
@@ -46,7 +47,7 @@ def sweep(scenario: Scenario, rates: list[float], progress=None) -> list[dict]:
         for spec in sc.engines:
             if spec.kind != "sim":
                 continue
-            eng = build_whatif_sim(sc, spec, None, lambda: _measured(sc, spec))
+            eng = build_engine(engine_config(sc, spec, None, None))
             outs = simulate(eng, make_requests(trace, None))
             fin = [o for o in outs if o.finish_reason in ("stop", "length")]
             rows.append({"rate": rate, "engine": spec.name, "normalized_latency_s_per_token": normalized_latency(outs),
@@ -56,12 +57,6 @@ def sweep(scenario: Scenario, rates: list[float], progress=None) -> list[dict]:
             if progress:
                 progress(rows[-1])
     return rows
-
-
-def _measured(sc: Scenario, spec):
-    from workbench.runner import load_cost_model
-
-    return load_cost_model(sc, spec)
 
 
 def sustained_rates(rows: list[dict], threshold: float) -> dict[str, float | None]:

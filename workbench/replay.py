@@ -8,10 +8,10 @@ import time
 from collections import deque
 from typing import Callable
 
-from engines.llm_engine import LLMEngine, RequestOutput
-from engines.request import Request, RequestStatus
-from engines.sampling_params import SamplingParams
-from engines.simulator import requests_in_flight, simulate
+from engines.core.llm_engine import LLMEngine, RequestOutput
+from engines.core.request import Request, RequestStatus
+from engines.core.sampling_params import SamplingParams
+from engines.sim.simulator import requests_in_flight, simulate
 from workbench.traces import TraceRequest
 
 

@@ -11,13 +11,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-from engines.config import ModelConfig
-from engines.cost_model import CostModel
+from engines.core.config import ModelConfig
+from engines.factory import EngineConfig, build_engine
+from engines.sim.catalog import GIB
+from engines.sim.cost_model import CostModel
 from workbench.metrics import FORMULAS, relative_error, summarize
-from workbench.prefix_workload import ideal_prefix_hit_rate
 from workbench.replay import make_requests, replay_realtime, replay_simulated
 from workbench.report import make_plots, requests_frame, steps_frame, write_html
-from workbench.scenario import EngineSpec, Scenario, load_scenario_trace, scenario_hash
+from workbench.scenario import ANALYTIC, EngineSpec, Scenario, load_scenario_trace, scenario_hash
+from workbench.traces.prefix import ideal_prefix_hit_rate
 
 BUILTIN_PROFILES = Path(__file__).parent / "data" / "profiles"
 
@@ -35,14 +37,59 @@ def load_cost_model(scenario: Scenario, spec: EngineSpec) -> CostModel:
 
 
 def _knobs(spec: EngineSpec) -> dict:
+    """The knobs every engine kind (real or simulated) takes from its spec, as ``EngineConfig`` fields."""
     return dict(block_size=spec.block_size, kv_cache_tokens=spec.kv_cache_tokens, kv_cache_bytes=spec.kv_cache_bytes,
                 max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                 max_model_len=spec.max_model_len, max_batch_size=spec.max_batch_size, reservation=spec.reservation,
-                # issue 5
                 enable_prefix_caching=spec.enable_prefix_caching, enable_chunked_prefill=spec.enable_chunked_prefill,
                 long_prefill_token_threshold=spec.long_prefill_token_threshold,
                 preemption_mode=spec.preemption_mode, swap_space_bytes=spec.swap_space_bytes,
-                completion=spec.completion)  # static policy only (None: the default, batch_end)
+                completion=spec.completion,  # static policy only (None: the default, batch_end)
+                dtype=spec.dtype)
+
+
+def catalog_model_name(scenario: Scenario, spec: EngineSpec) -> str:
+    """The catalogue model an analytic sim engine simulates: its ``model``, else the scenario's model.
+
+    Raises:
+        ValueError: neither names a catalogue model.
+    """
+    from engines.sim.catalog import model_names
+
+    name = spec.model or scenario.model
+    if name.lower() not in model_names():
+        raise ValueError(f"engine {spec.name}: model {name!r} is not in the model catalogue; set engines."
+                         f"{spec.name}.model to one of {', '.join(model_names())}")
+    return name
+
+
+def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
+                  model_cfg: ModelConfig | None) -> EngineConfig:
+    """What ``engines.factory.build_engine`` builds for a scenario engine of kind paged, static or sim:
+    every knob of the spec, so that the factory honours each one or refuses it.
+
+    A real engine runs the model in ``model_dir``; a sim engine over a measured cost model (a profile JSON,
+    ``builtin:cpu``) simulates ``model_cfg``; one with ``cost_model: analytic`` simulates the catalogue model
+    :func:`catalog_model_name` names, on ``tp`` x ``hardware``.
+
+    Raises:
+        ValueError: an analytic engine's model is not in the catalogue, or a profile is missing or malformed.
+    """
+    knobs = {**_knobs(spec), "seed": scenario.seed}
+    if spec.kind != "sim":
+        return EngineConfig(kind=spec.kind, model=model_dir, device=spec.device,
+                            attention_backend=spec.attention_backend, step_delay_s=spec.test_step_delay_s or 0.0,
+                            **knobs)
+    reserve = spec.activation_reserve_gib * GIB if spec.activation_reserve_gib is not None else None
+    sim = dict(kind="sim", policy=spec.policy, swap_bandwidth_bytes_per_s=spec.swap_bandwidth_bytes_per_s,
+               gpu_memory_utilization=spec.gpu_memory_utilization, activation_reserve_bytes=reserve, **knobs)
+    if spec.cost_model == ANALYTIC:
+        return EngineConfig(model=catalog_model_name(scenario, spec), hardware=spec.hardware, tp=spec.tp,
+                            weight_dtype=spec.weight_dtype, kv_cache_dtype=spec.kv_cache_dtype,
+                            efficiency=spec.efficiency, speculative_model=spec.speculative_model,
+                            num_speculative_tokens=spec.num_speculative_tokens,
+                            spec_acceptance_rate=spec.spec_acceptance_rate, **sim)
+    return EngineConfig(model=spec.model, model_config=model_cfg, cost_model=load_cost_model(scenario, spec), **sim)
 
 
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
@@ -52,46 +99,31 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     (the kernels picked: ``cpp``, ``torch`` or ``triton``). ``trace.max_concurrency`` (closed-loop users)
     applies to every kind."""
     users = scenario.trace.max_concurrency
-    if spec.kind == "openai":  # issue 6: the outputs carry .server_metrics; no engine steps client-side
+    if spec.kind == "openai":  # the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
 
         return replay_openai(spec.base_url, spec.model or scenario.model, trace, api_key=openai_api_key(spec),
                              on_output=on_output, engine_name=spec.name, max_concurrency=users), []
     requests = make_requests(trace, eos)
-    if spec.kind == "sim" and (spec.cost_model == "analytic" or spec.policy == "orca"):  # issue 7: GPU what-if
-        from workbench.whatif import build_whatif_sim
-
-        engine = build_whatif_sim(scenario, spec, model_cfg, lambda: load_cost_model(scenario, spec))
-        return replay_simulated(engine, requests, on_output, max_concurrency=users), engine.steps
+    engine = build_engine(engine_config(scenario, spec, model_dir, model_cfg))
     if spec.kind == "sim":
-        from engines.simulator import build_sim_engine
-
-        dtype_bytes = 2 if spec.dtype == "bfloat16" else 4
-        engine = build_sim_engine(spec.policy or "paged", model_cfg, load_cost_model(scenario, spec),
-                                  dtype_bytes=dtype_bytes, swap_bandwidth_bytes_per_s=spec.swap_bandwidth_bytes_per_s,
-                                  **_knobs(spec))
         return replay_simulated(engine, requests, on_output, max_concurrency=users), engine.steps
-    from engines.llm_engine import LLM
-
-    llm = LLM(model_dir, engine=spec.kind, dtype=spec.dtype, seed=scenario.seed,
-              step_delay_s=spec.test_step_delay_s or 0.0, **_knobs(spec),  # issue 4: test-only knob
-              device=spec.device, attention_backend=spec.attention_backend)  # issue 7
-    if runtime is not None:  # issue 7
-        runtime.update(engine_runtime(llm))
+    if runtime is not None:
+        runtime.update(engine_runtime(engine))
     try:
-        warm_up(llm)
-        outs = replay_realtime(llm.engine, requests, on_output, max_concurrency=users)
-        return outs, llm.engine.steps
+        warm_up(engine)
+        outs = replay_realtime(engine, requests, on_output, max_concurrency=users)
+        return outs, engine.steps
     finally:
-        del llm
+        del engine
         gc.collect()
 
 
-def engine_runtime(llm) -> dict:
-    """Issue 7: ``{"device", "device_name", "attention"}`` of a real engine's model."""
+def engine_runtime(engine) -> dict:
+    """``{"device", "device_name", "attention"}`` of a real engine's model."""
     import torch
 
-    model = llm.engine.executor.model
+    model = engine.executor.model
     dev = model.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {"device": str(dev), "device_name": name, "attention": model.attention.name}
@@ -108,14 +140,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def warm_up(llm) -> None:
-    """Issue 4: run one short request untimed before a replay, then forget its step records, so that the
-    first engine of a run does not pay one-time costs (loading the compiled kernels, first-call allocations;
-    0.2-0.4 s per step measured on the tiny model) that later engines in the same process skip."""
-    from engines.sampling_params import SamplingParams
+def warm_up(engine) -> None:
+    """Run one short request untimed on a real engine before a replay, then forget its step records, so that
+    the first engine of a run does not pay one-time costs (loading the compiled kernels, first-call
+    allocations; 0.2-0.4 s per step measured on the tiny model) that later engines in the same process skip."""
+    from engines.core.request import Request
+    from engines.core.sampling_params import SamplingParams
 
-    llm.generate([[100 + i for i in range(16)]], SamplingParams(max_tokens=4, ignore_eos=True))
-    llm.engine.steps.clear()
+    engine.add_request(Request("warm-up", [100 + i for i in range(16)], SamplingParams(max_tokens=4, ignore_eos=True),
+                               arrival_time=engine.clock()))
+    engine.run_to_completion()
+    engine.steps.clear()
 
 
 def openai_api_key(spec: EngineSpec) -> str | None:
@@ -135,7 +170,7 @@ def openai_api_key(spec: EngineSpec) -> str | None:
 
 
 def add_openai_server_metrics(summary: dict, outs) -> None:
-    """issue 6: a ``kind: openai`` engine's /metrics deltas (``server_metrics``, None when not served);
+    """A ``kind: openai`` engine's /metrics deltas (``server_metrics``, None when not served);
     the server's preemption count replaces the client-side 0."""
     sm = getattr(outs, "server_metrics", None)
     summary["server_metrics"] = sm
@@ -193,7 +228,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     """
     from transformers import AutoTokenizer
 
-    from engines.model_store import resolve_model
+    from engines.real.model_store import resolve_model
 
     if repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {repeat}")

@@ -214,7 +214,7 @@ class EngineSpec(_Model):
         dtype: ``float32`` or ``bfloat16``.
         policy: sim only: the scheduling policy simulated, ``paged`` (default) or ``static``.
         cost_model: sim only: a profile JSON (relative to the scenario's folder), ``builtin:cpu`` (default)
-            or ``analytic`` (the roofline model of ``engines.analytic_cost_model``; default when
+            or ``analytic`` (the roofline model of ``engines.sim.analytic_cost_model``; default when
             ``hardware`` is set).
         test_step_delay_s: TEST-ONLY, real engines only: seconds of busy work added to every step, to slow
             an engine deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
@@ -224,7 +224,7 @@ class EngineSpec(_Model):
         preemption_mode: ``recompute`` (default) or ``swap``.
         swap_space_bytes: CPU swap pool for swap preemption, bytes (0 = none: swap falls back to recompute).
         swap_bandwidth_bytes_per_s: sim only: swap copy bandwidth charged (default 32e9, PCIe 4.0 x16).
-        (issue 7, GPU what-if; sim only) model: catalogue model simulated (default: the scenario's
+        (GPU what-if; sim only) model: catalogue model simulated (default: the scenario's
             model; for kind openai, the model id to request); hardware: catalogue GPU; tp: tensor-parallel GPUs; weight_dtype: ``bf16``, ``fp8``,
             ``awq``, ``gptq``, ``int4``; kv_cache_dtype: ``bf16`` or ``fp8``; gpu_memory_utilization:
             fraction of GPU memory for weights + activations + KV; activation_reserve_gib: override the
@@ -232,7 +232,7 @@ class EngineSpec(_Model):
             speculative_model, num_speculative_tokens, spec_acceptance_rate: speculative decoding.
         device: real engines only: ``auto`` (default: CUDA when torch sees a GPU, else CPU), ``cpu``,
             ``cuda`` or ``cuda:N``. attention_backend: real engines only: ``auto`` (Triton on CUDA, the compiled
-            kernel on CPU), ``torch``, ``cpp`` or ``triton`` (issue 7).
+            kernel on CPU), ``torch``, ``cpp`` or ``triton``.
         base_url: openai only: the endpoint's API root, e.g. ``http://127.0.0.1:8000/v1`` (required).
         api_key: openai only: sent as ``Authorization: Bearer <api_key>``; ``env:NAME`` reads ``$NAME`` when
             the run starts. Written masked to results.json.
@@ -252,9 +252,9 @@ class EngineSpec(_Model):
     dtype: Literal["float32", "bfloat16"] = "float32"
     policy: Literal["paged", "static", "orca"] | None = None
     cost_model: str | None = None
-    # --- issue 4 (sweeps/capacity/compare/gate): test-only slowdown knob ---
+    # test-only slowdown knob (regression-gate tests)
     test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    # issue 5: prefix caching, chunked prefill, preemption modes (paged policy; sim too)
+    # prefix caching, chunked prefill, preemption modes (paged policy; sim too)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = Field(0, ge=0)
@@ -262,7 +262,7 @@ class EngineSpec(_Model):
     swap_space_bytes: int = Field(0, ge=0)
     swap_bandwidth_bytes_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
-    # -- issue 7: GPU what-if (catalogue hardware/model, analytic cost model, tp, quantization, spec decode)
+    # -- GPU what-if (catalogue hardware/model, analytic cost model, tp, quantization, spec decode)
     model: str | None = None
     hardware: str | None = None
     tp: int = Field(1, ge=1)
@@ -275,11 +275,11 @@ class EngineSpec(_Model):
     num_speculative_tokens: int | None = Field(None, ge=1)
     spec_acceptance_rate: float | None = Field(None, ge=0, lt=1)
 
-    # issue 7: where a real engine runs, and its attention kernels
+    # where a real engine runs, and its attention kernels
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
 
-    # issue 6: kind openai (replay against an OpenAI-compatible endpoint; `model` above names the served model)
+    # kind openai (replay against an OpenAI-compatible endpoint; `model` above names the served model)
     base_url: str | None = None
     api_key: SecretStr | None = None  # results.json shows it masked; "env:NAME" reads $NAME at run time
 
@@ -324,7 +324,7 @@ class EngineSpec(_Model):
             for name in ("device", "attention_backend"):
                 if getattr(self, name) != "auto":
                     raise ValueError(f"{name} is only for real engines (kind paged or static; kind is {self.kind})")
-        # issue 6: kind openai
+        # kind openai: an endpoint, not an engine to configure
         if self.kind == "openai":
             if not self.base_url or not re.match(r"https?://", self.base_url):
                 raise ValueError(f"kind openai needs base_url: http(s)://host:port/v1, got {self.base_url!r}")
@@ -349,15 +349,15 @@ class EngineSpec(_Model):
         return self
 
 
-# -- issue 7: GPU what-if checks of a sim engine
+# -- GPU what-if checks of a sim engine
 ANALYTIC = "analytic"
 WHATIF_FIELDS = ("model", "hardware", "activation_reserve_gib", "efficiency", "speculative_model",
                  "num_speculative_tokens", "spec_acceptance_rate")
 
 
 def _check_whatif(e: EngineSpec) -> None:
-    from engines.analytic_cost_model import Efficiency
-    from engines.catalog import CatalogError, get_hardware, get_model
+    from engines.sim.analytic_cost_model import Efficiency
+    from engines.sim.catalog import CatalogError, get_hardware, get_model
 
     analytic = e.cost_model == ANALYTIC
     try:
@@ -584,10 +584,10 @@ def validate_scenario(data: Any, file: str | Path = "<scenario>", text: str | No
                 hint = f"; builtin traces: {', '.join(builtin_traces())}" if value.startswith(BUILTIN_PREFIX) else ""
                 raise _error(file, ".".join(map(str, loc)), f"no such file: {p}{hint}",
                              _yaml_line(text, loc) if text else None, _engine_name(data, loc))
-        # issue 7: a real engine's device must exist on this machine (before any engine starts)
+        # a real engine's device must exist on this machine (before any engine starts)
         for i, eng in enumerate(sc.engines):
             if eng.kind in ("paged", "static") and eng.device not in ("auto", "cpu"):
-                from engines.model import resolve_device
+                from engines.real.model import resolve_device
 
                 try:
                     resolve_device(eng.device)
@@ -661,7 +661,7 @@ def scenario_hash(scenario: Scenario) -> str:
     knobs (``test_step_delay_s``) are left out: a deliberately slowed run is still the same scenario.
     """
     data = scenario.model_dump(mode="json", exclude_defaults=True)
-    for eng in data.get("engines", []):  # issue 4: test-only knobs do not change what a scenario is
+    for eng in data.get("engines", []):  # test-only knobs do not change what a scenario is
         eng.pop("test_step_delay_s", None)
     canon = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canon.encode()).hexdigest()[:16]

@@ -1,5 +1,5 @@
 """Speculative-decoding what-if: predicted per-request latency with and without a draft model, over
-batch sizes (``workbench spec-sweep``; issue 7).
+batch sizes (``workbench spec-sweep``).
 
 Each point simulates ``batch`` requests arriving together (prompt ``prompt_tokens``, exactly
 ``output_tokens`` outputs) on the paged policy with ``max_num_seqs = batch``, once on the plain
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.analytic_cost_model import AnalyticCostModel, SpecDecodeConfig
-from engines.catalog import get_hardware, get_model
-from engines.request import Request
-from engines.sampling_params import SamplingParams
-from engines.simulator import simulate
-from engines.whatif import build_whatif_engine
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
+from engines.factory import build_whatif_engine
+from engines.sim.analytic_cost_model import AnalyticCostModel, SpecDecodeConfig
+from engines.sim.catalog import get_hardware, get_model
+from engines.sim.simulator import simulate
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 

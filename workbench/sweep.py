@@ -328,7 +328,7 @@ def sweep_command(scenario: str, items: list[str], jobs: int, executor: str, ray
     """``workbench sweep``: bad input exits 2 with one line."""
     import datetime as dt
 
-    from workbench.cli import fail
+    from workbench.cli_errors import fail
     from workbench.traces import TraceError
 
     if not items:

@@ -28,8 +28,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.request import Request
-from engines.sampling_params import SamplingParams
+from engines.core.request import Request
+from engines.core.sampling_params import SamplingParams
 from workbench.serve.async_engine import AsyncEngine, QueueFullError, RequestGroup
 from workbench.serve.prom import ServerMetrics
 
@@ -478,7 +478,7 @@ def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000
     """
     import uvicorn
 
-    from engines.llm_engine import LLM
+    from engines.llm import LLM
 
     llm = LLM(model, **llm_kwargs)
     app = build_app(llm, served_model_name or model, api_key=api_key, max_waiting=max_waiting)

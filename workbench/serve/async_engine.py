@@ -18,8 +18,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from engines.detokenizer import IncrementalDetokenizer
-from engines.request import Request, RequestStatus
+from engines.core.detokenizer import IncrementalDetokenizer
+from engines.core.request import Request, RequestStatus
 
 log = logging.getLogger("workbench.serve")
 

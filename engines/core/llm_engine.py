@@ -1,0 +1,304 @@
+"""The engine loop (schedule -> execute -> update), its per-step records and its outputs (no torch).
+
+An engine is a scheduler (paged, static or Orca policy) plus an executor (the real model, or the
+simulator's cost model) plus a clock (wall clock, or the simulator's virtual clock); ``engines.factory``
+builds all three from an engine description. ``LLMEngine.step`` runs one iteration, records a
+``StepRecord`` and turns finished requests into ``RequestOutput``s (output text through the incremental
+detokenizer, stop strings).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engines.core.detokenizer import IncrementalDetokenizer
+from engines.core.kv_cache_manager import PagedKVCacheManager
+from engines.core.request import Request, RequestStatus
+from engines.core.scheduler import Scheduler, SchedulerOutput
+from engines.core.static_scheduler import StaticScheduler
+
+
+@dataclass
+class RequestOutput:
+    """A finished (or rejected) request, as ``LLM.generate`` returns it.
+
+    ``finish_reason`` is ``stop`` (EOS or a stop string), ``length`` (max_tokens), ``abort`` or
+    ``rejected`` (then ``error`` says why).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None = None
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    # parallel sampling: the sequence's parent request (None for a prompt's first sequence), its
+    # index among the prompt's sequences, its cumulative log-probability (best_of), and, on the output
+    # LLM.generate returns, the prompt's n best sequences (index order; [] when n = 1)
+    parent_id: str | None = None
+    seq_index: int = 0
+    cumulative_logprob: float = 0.0
+    outputs: list["RequestOutput"] = field(default_factory=list)
+    # beam search: the hypothesis' length-penalised score (None without beam search); a beam-search
+    # request's output is its best hypothesis and ``outputs`` its beam_width (or n) best, best first
+    beam_score: float | None = None
+    # when the engine returned the answer (s, engine clock), where that can be later than its last token: a
+    # static batch member's batch end under completion batch_end (then equal to finished_time); None: the
+    # answer came with its last token
+    completion_time: float | None = None
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.REJECTED: "rejected",
+    RequestStatus.FAILED: "failed",
+}
+
+
+@dataclass
+class StepRecord:
+    """Accounting of one engine step (times in seconds on the engine's clock, sizes in token slots)."""
+
+    step: int
+    start: float
+    duration: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_padding_seqs: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_total_slots: int
+    kv_allocated: int
+    kv_token_states: int
+    kv_reserved: int
+    kv_internal_frag: int
+    kv_external_frag: int
+    # prefix cache lookups of the requests admitted in this step (tokens), preemptions by swap
+    # (the rest of num_preemptions are by recompute), swap traffic, KV memory saved by block sharing
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions_swap: int = 0
+    num_swapped: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+    swap_bytes: int = 0
+    swap_time: float = 0.0
+    kv_shared_saved: int = 0
+
+
+class LLMEngine:
+    """Drives a scheduler and an executor.
+
+    Args:
+        scheduler: paged or static policy.
+        executor: has ``execute(SchedulerOutput) -> StepResult`` and ``release(request_id)``.
+        tokenizer: for stop strings and output text (None: no text).
+        clock: seconds; wall clock by default.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor, tokenizer=None, clock: Callable[[], float] = time.perf_counter):
+        self.scheduler, self.executor, self.tokenizer, self.clock = scheduler, executor, tokenizer, clock
+        self.steps: list[StepRecord] = []
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._texts: dict[str, str] = {}
+        self._last_swap_time = 0.0
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; returns its output at once if it is rejected."""
+        if not self.scheduler.add_request(request):
+            request.finished_time = self.clock()
+            return self._output(request)
+        if self.tokenizer is not None and request.sampling_params.stop:
+            self._detok[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
+            )
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return self._finish(req) if req else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        start = self.clock()
+        result = self.executor.execute(out)
+        now = self.clock()
+        self._last_swap_time = result.swap_time
+        self._record(out, start, now - start)
+        for seq in out.seqs:
+            if seq.is_padding:
+                continue
+            req = self.scheduler.requests.get(seq.request_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+        finished = self.scheduler.update(out, result)
+        just_finished = {r.request_id: r for r in finished}
+        for rid in result.sampled:
+            req = self.scheduler.requests.get(rid) or just_finished.get(rid)
+            if req is None:
+                continue
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            det = self._detok.get(rid)
+            if det is None and req.parent_id is not None and req.sampling_params.stop and self.tokenizer is not None:
+                det = self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                                req.sampling_params.stop)  # a forked child
+            if det is None or req.status == RequestStatus.FINISHED_STOPPED:
+                continue
+            _, stop = det.step(req.output_token_ids[-1])
+            if stop is None:
+                continue
+            if req.is_finished:  # the last allowed token completed a stop string
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                finished.append(req)
+        return self._complete(finished)
+
+    def _complete(self, finished: list[Request]) -> list[RequestOutput]:
+        """Outputs of the requests answered in this step, given those that finished in it. A static
+        scheduler with completion ``batch_end`` holds each member until its batch ends
+        (``StaticScheduler.completed``); those outputs carry ``completion_time`` = ``finished_time``."""
+        sched = self.scheduler
+        if not isinstance(sched, StaticScheduler):
+            return [self._finish(r) for r in finished]
+        if not sched.completes_at_batch_end:
+            return [self._finish(r) for r in sched.completed(finished)]
+        end = self.clock()  # one completion time for the whole batch
+        outs = [self._finish(r, end) for r in sched.completed(finished)]
+        for o in outs:
+            o.completion_time = end
+        return outs
+
+    def _finish(self, req: Request, at: float | None = None) -> RequestOutput:
+        """End ``req``'s bookkeeping and build its output; ``finished_time`` = ``at`` (s, engine clock), else now."""
+        req.finished_time = self.clock() if at is None else at
+        self.executor.release(req.request_id)
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        det = self._detok.pop(req.request_id, None)
+        if det is not None and req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, str):
+            text = det.text
+        elif self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        else:
+            text = ""
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            finish_reason=_FINISH_REASON.get(req.status, req.status.value),
+            error=req.reject_reason,
+            num_preemptions=req.num_preemptions,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            token_times=req.token_times,
+            parent_id=req.parent_id,
+            seq_index=req.seq_index,
+            cumulative_logprob=req.cumulative_logprob,
+        )
+        if req.beam_hypotheses:
+            self._beam_outputs(req, out)
+        return out
+
+    def _beam_outputs(self, req: Request, out: RequestOutput) -> None:
+        """Fill a finished beam-search request's ``outputs``: its ``beam_width`` best hypotheses (the ``n``
+        best when ``n`` > 1), best first; the first is ``out`` itself."""
+        import dataclasses
+
+        sp = req.sampling_params
+        hyps = req.beam_hypotheses[: sp.n if sp.n > 1 else sp.beam_width]
+        out.beam_score = hyps[0].score
+        out.outputs = [out]
+        for i, h in enumerate(hyps[1:], 1):
+            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            out.outputs.append(dataclasses.replace(
+                out, token_ids=list(h.token_ids), text=text, finish_reason=h.finish_reason, seq_index=i,
+                cumulative_logprob=h.cumulative_logprob, beam_score=h.score, outputs=[]))
+
+    def _record(self, out, start: float, duration: float) -> None:
+        kv = out.kv_stats
+        seqs = out.seqs
+        self.steps.append(
+            StepRecord(
+                step=len(self.steps),
+                start=start,
+                duration=duration,
+                num_seqs=len(seqs),
+                num_prefill_tokens=sum(s.num_tokens for s in seqs if not s.is_padding and not s.is_decode),
+                num_decode_tokens=sum(1 for s in seqs if s.is_decode and not s.is_padding),  # live rows
+                num_padding_seqs=sum(1 for s in seqs if s.is_padding),
+                num_running=out.num_running,
+                num_waiting=out.num_waiting,
+                num_preemptions=len(out.preempted_ids),
+                kv_total_slots=kv.total_slots,
+                kv_allocated=kv.allocated,
+                kv_token_states=kv.token_states,
+                kv_reserved=kv.reserved,
+                kv_internal_frag=kv.internal_frag,
+                kv_external_frag=kv.external_frag,
+                **self._memory_fields(out),
+            )
+        )
+
+    def _memory_fields(self, out: SchedulerOutput) -> dict:
+        """Memory-management step fields: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing."""
+        block_bytes = getattr(self.executor, "block_bytes", 0)
+        n_out, n_in = len(out.blocks_to_swap_out), len(out.blocks_to_swap_in)
+        kv = getattr(self.scheduler, "kv", None)
+        return dict(
+            prefix_cache_queries=out.prefix_cache_queries,
+            prefix_cache_hits=out.prefix_cache_hits,
+            num_preemptions_swap=out.num_preempted_swap,
+            num_swapped=out.num_swapped,
+            swap_out_blocks=n_out,
+            swap_in_blocks=n_in,
+            swap_bytes=(n_out + n_in) * block_bytes,
+            swap_time=self._last_swap_time,
+            kv_shared_saved=kv_shared_saved(kv, self.scheduler.running) if isinstance(kv, PagedKVCacheManager) else 0,
+        )
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Step until no request is left; returns outputs in finishing order."""
+        done = []
+        while self.has_unfinished():
+            done.extend(self.step())
+        return done
+
+
+def kv_shared_saved(kv: PagedKVCacheManager, requests) -> int:
+    """KV slots saved by block sharing now: sum over held blocks of (ref count - 1) x block_size, i.e. the
+    slots the same requests would need without prefix-cache or parallel-sampling sharing."""
+    if not kv.pool.num_shared_blocks:
+        return 0
+    seen: set[int] = set()
+    saved = 0
+    for r in requests:
+        for b in kv.block_tables.get(r.request_id, ()):
+            if b not in seen:
+                seen.add(b)
+                saved += kv.pool.blocks[b].ref_cnt - 1
+    return saved * kv.block_size

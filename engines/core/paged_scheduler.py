@@ -1,0 +1,232 @@
+"""The paged continuous-batching policy (no torch, no clock).
+
+It follows vLLM V1: there are no prefill/decode phases, each request tracks ``num_computed_tokens`` and
+each step fills one token budget (``max_num_batched_tokens``), running requests first, then waiting ones,
+at most ``max_num_seqs`` requests. A prompt larger than what is left of the budget is split across steps
+(chunked prefill). When a block cannot be allocated, the most recently admitted running request is
+preempted: by recompute (its blocks are freed and it goes back to the head of ``waiting``) or by swap (its
+blocks are copied to a CPU swap pool and it waits in ``swapped``). With prefix caching a waiting request
+starts after its longest cached prefix. Beam search (``engines/core/beam_search.py``) runs a request's
+beams as forked sequences; ``BeamSearch`` hooks into ``validate``, ``update``, preemption and
+``finish_request``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engines.core.beam_search import BeamSearch
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import KVStats, PagedKVCacheManager
+from engines.core.request import Request, RequestStatus
+from engines.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, StepResult, child_params
+
+
+class PagedScheduler(Scheduler):
+    """Continuous batching over a paged KV cache (vLLM V1-style token budget).
+
+    Each step: running requests first (preempting the newest when a block cannot be allocated), then,
+    if nothing was preempted, swapped-out requests are swapped back in, then waiting requests are
+    admitted (each first takes its longest cached prefix when prefix caching is on).
+
+    Args:
+        config: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, and the memory knobs
+            ``enable_prefix_caching``, ``enable_chunked_prefill``, ``long_prefill_token_threshold``,
+            ``preemption_mode``.
+        kv: the paged KV cache manager (``engines.factory.build_scheduler`` gives it ``enable_caching`` from
+            the config).
+
+    Raises:
+        ValueError: a bad memory knob (see ``SchedulerConfig.validate``).
+    """
+
+    supports_beam_search = True
+
+    def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
+        super().__init__(config)
+        bad = config.validate()
+        if bad:
+            raise ValueError(bad)
+        self.kv = kv
+        self.swapped: deque[Request] = deque()
+        self.beam_search = BeamSearch()
+
+    def validate(self, request: Request) -> str | None:
+        reason = super().validate(request)
+        if reason is None and not self.kv.fits_ever(request):
+            reason = (
+                f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) "
+                f"exceeds the whole KV pool ({self.kv.num_blocks * self.kv.block_size} tokens)"
+            )
+        if (reason is None and not self.config.enable_chunked_prefill
+                and request.max_total_tokens > self.config.max_num_batched_tokens):
+            reason = (
+                f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) exceeds "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) with chunked prefill off"
+            )
+        return reason or self.beam_search.validate(request, self.kv)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Tokens to compute for ``req`` this step (0 = it must wait): the rest of its tokens, capped by
+        ``long_prefill_token_threshold`` and the budget; without chunked prefill all or nothing."""
+        n = req.num_tokens_total - req.num_computed_tokens
+        if not self.config.enable_chunked_prefill:
+            return n if n <= budget else 0
+        cap = self.config.long_prefill_token_threshold
+        if cap and n > cap:
+            n = cap
+        return min(n, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        out = SchedulerOutput(seqs=seqs)
+        preempted = out.preempted_ids
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            req = self.running[idx]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                idx += 1
+                continue
+            if not self._allocate_or_preempt(req, n, out):
+                break
+            seqs.append(self._seq(req, n))
+            budget -= n
+            idx += 1
+
+        # Swap in, then admit waiting requests, only when nothing was preempted in this step (as vLLM does).
+        while not preempted and self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            n = self._num_new_tokens(req, budget)
+            if n == 0:
+                break
+            mapping = self.kv.swap_in(req, n)
+            if mapping is None:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(mapping)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._seq(req, n))
+            budget -= n
+
+        while (not preempted and not self.swapped and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            req.num_computed_tokens += num_hit  # provisionally, to size the new tokens
+            n = self._num_new_tokens(req, budget)
+            req.num_computed_tokens -= num_hit
+            if n == 0 or not self.kv.allocate_slots(req, n, hit_blocks):
+                break
+            self.kv.record_prefix_query(req, num_hit)
+            if self.kv.enable_caching and not req.num_preemptions:
+                out.prefix_cache_queries += req.num_tokens_total
+                out.prefix_cache_hits += num_hit
+            req.num_computed_tokens += num_hit
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._seq(req, n))
+            budget -= n
+
+        out.blocks_to_copy.extend(self.kv.pending_copies)
+        self.kv.pending_copies.clear()
+        out.kv_stats = self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding})
+        out.num_running, out.num_waiting, out.num_swapped = len(self.running), len(self.waiting), len(self.swapped)
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate for ``n`` tokens of ``req``, preempting the newest running requests as needed.
+
+        Returns False if ``req`` itself had to be preempted.
+        """
+        while not self.kv.allocate_slots(req, n):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            out.preempted_ids.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput | None = None) -> None:
+        self.beam_search.on_preempt(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and out is not None and self.kv.can_swap_out(req):
+            out.blocks_to_swap_out.extend(self.kv.swap_out(req))
+            out.num_preempted_swap += 1
+            self.num_preemptions_swap += 1
+            self.swapped.appendleft(req)
+            return
+        # recompute (also the fallback when the swap pool is full)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None and req in self.swapped:
+            self.swapped.remove(req)
+        self.beam_search.on_finish(self, request_id)
+        return super().finish_request(request_id, status, stop_reason)
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        seq = ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=start + n == req.num_tokens_total,
+            sampling_params=req.sampling_params,
+        )
+        if seq.sample and not req.output_token_ids and req.fork_ids:
+            seq.fork_ids = req.fork_ids
+            seq.fork_params = [child_params(req.sampling_params, i) for i in range(1, len(seq.fork_ids) + 1)]
+        return seq
+
+    # -- parallel sampling ---------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """As ``Scheduler.update``, and fork parallel-sampling children off a request whose first token
+        was sampled in this step: each child shares the parent's blocks and starts with its own token."""
+        children: list[Request] = []
+        for seq in output.seqs:
+            if not seq.fork_ids or any(c not in result.sampled for c in seq.fork_ids):
+                continue
+            parent = self.requests.get(seq.request_id)
+            if parent is None or parent.is_finished or parent.forked:
+                continue
+            parent.forked = True
+            for i, (cid, sp) in enumerate(zip(seq.fork_ids, seq.fork_params), 1):
+                child = Request(cid, parent.prompt_token_ids, sp, arrival_time=parent.arrival_time,
+                                prompt=parent.prompt, eos_token_id=parent.eos_token_id, parent_id=parent.request_id,
+                                seq_index=i, forked=True, cache_salt=parent.cache_salt)
+                child.first_scheduled_time = parent.first_scheduled_time
+                child.num_computed_tokens = seq.start_pos + seq.num_tokens
+                self.kv.fork(parent, child)
+                child.status = RequestStatus.RUNNING
+                self.requests[cid] = child
+                self.running.append(child)
+                tok = result.sampled[cid]
+                child.append_output(tok)
+                child.cumulative_logprob += result.logprobs.get(cid, 0.0)
+                children.append(child)
+        for seq in output.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and seq.sample and seq.request_id in result.logprobs:
+                req.cumulative_logprob += result.logprobs[seq.request_id]
+        finished = super().update(output, result)
+        for child in children:
+            self._finish_if_done(child, child.output_token_ids[-1], finished)
+        finished.extend(self.beam_search.update(self, output, result))  # beams: pick the survivors, fork and free
+        return finished
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+
+    def kv_stats(self, scheduled: dict[str, int] | None = None) -> KVStats:
+        return self.kv.stats(self.running, scheduled)

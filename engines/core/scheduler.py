@@ -1,0 +1,238 @@
+"""The scheduler interface every policy implements, and what a step passes between policy and executor
+(no torch, no clock).
+
+Every engine (real model or cost model) drives a scheduler the same way::
+
+    scheduler.add_request(req)
+    out = scheduler.schedule()          # SchedulerOutput: which requests, how many tokens, block tables
+    result = executor.execute(out)      # StepResult: sampled tokens, duration
+    finished = scheduler.update(out, result)
+
+The policies: ``engines.core.paged_scheduler`` (continuous batching over paged KV),
+``engines.core.static_scheduler`` (static batching baseline) and ``engines.core.orca_scheduler`` (Orca:
+iteration-level batching over contiguous reservations).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.core.config import SchedulerConfig
+from engines.core.kv_cache_manager import KVStats
+from engines.core.request import Request, RequestStatus
+from engines.core.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step.
+
+    Attributes:
+        request_id: the request.
+        token_ids: the new tokens whose K/V this step computes (length = tokens scheduled).
+        start_pos: position of ``token_ids[0]`` (= ``num_computed_tokens`` before the step).
+        block_table: block ids holding positions ``0 .. start_pos + len(token_ids) - 1``.
+        sample: whether logits of the last token are needed (the request reaches its end this step).
+        sampling_params: how to sample the next token.
+        is_padding: a static-batching padding row: a finished member of a static batch, run as one decode
+            token at the batch's current length over the scratch block (it costs what a live decode row of
+            its batch costs), never sampled, output discarded.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    is_padding: bool = False
+    # parallel sampling: child sequences to sample from this row's logits too (and their params)
+    fork_ids: list[str] = field(default_factory=list)
+    fork_params: list[SamplingParams] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token after a cached context (batched decode attention), or a static padding row (a
+        decode row of its batch); else a prefill chunk."""
+        return self.is_padding or (len(self.token_ids) == 1 and self.start_pos > 0)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attended to by the last new token (cached + new)."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the scheduled sequences, plus what the scheduler did to get there."""
+
+    seqs: list[ScheduledSeq]
+    preempted_ids: list[str] = field(default_factory=list)
+    kv_stats: KVStats | None = None
+    num_running: int = 0
+    num_waiting: int = 0
+    # swap preemption and copy-on-write (block copies the executor runs before the forward pass,
+    # in this order: swap out, swap in, copy), preemptions by mode, prefix-cache lookups of admissions
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src gpu block, dst gpu block)
+    num_preempted_swap: int = 0
+    num_swapped: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class StepResult:
+    """What an executor returns: sampled token per request (those with ``sample``), duration in seconds."""
+
+    sampled: dict[str, int]
+    duration: float
+    swap_time: float = 0.0  # seconds of the step spent copying swapped blocks (included in duration)
+    logprobs: dict[str, float] = field(default_factory=dict)  # log p of sampled tokens (best_of)
+    # beam search: for a beam-search row, its 2 x beam_width most likely next tokens as
+    # [(token id, log p)], most likely first, instead of an entry in ``sampled``
+    beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling parameters of parallel-sampling child ``index`` (1..): one sequence each, and a seed
+    offset by ``index`` so seeded children do not repeat the parent's samples."""
+    import dataclasses
+
+    seed = params.seed + index if params.seed is not None else None
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
+
+
+class Scheduler:
+    """Common request bookkeeping; subclasses implement admission (``schedule``) and KV release.
+
+    Args:
+        config: batching limits (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``...).
+    """
+
+    supports_beam_search = False  # only the paged policy runs beam search (BeamSearch)
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_preemptions_swap = 0  # the rest of num_preemptions are by recompute
+
+    # -- interface ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> bool:
+        """Queue a request, or reject it (status REJECTED, ``reject_reason`` set) and return False."""
+        reason = self.validate(request)
+        if reason is not None:
+            request.status = RequestStatus.REJECTED
+            request.reject_reason = reason
+            return False
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        return True
+
+    def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def update(self, output: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance ``num_computed_tokens``, append sampled tokens, finish requests that stop.
+
+        A request stops on an EOS token (unless ``ignore_eos``) or when it has ``max_tokens``
+        outputs. Returns the requests that finished in this step.
+        """
+        finished = []
+        for seq in output.seqs:
+            if seq.is_padding:
+                continue
+            req = self.requests.get(seq.request_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += seq.num_tokens
+            if not seq.sample or seq.request_id in result.beam_candidates:  # beams: see BeamSearch.update
+                continue
+            tok = result.sampled[seq.request_id]
+            req.append_output(tok)
+            self._finish_if_done(req, tok, finished)
+        return finished
+
+    def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> None:
+        """Finish ``req`` (appending it to ``finished``) if its new token ``tok`` is EOS (unless
+        ``ignore_eos``) or it has reached ``max_tokens``."""
+        if not req.sampling_params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
+            finished.append(req)
+        elif req.num_output_tokens >= req.sampling_params.max_tokens:
+            self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+            finished.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
+        """End a request (stop string, abort, ...): release its KV and drop it from the queues."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.status = status
+        req.stop_reason = stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a queued or running request; its KV is freed. None if unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_unanswered(self) -> int:
+        """Requests added and not yet answered: queued, running, preempted or swapped, and (static
+        batching with ``completion: batch_end``) finished but held until their batch ends. A request with
+        parallel-sampling or beam sequences counts once, until its last sequence ends."""
+        return len({r.parent_id or r.request_id for r in self.requests.values()})
+
+    def release_held(self) -> list[Request]:
+        """Finished requests whose answers are held back (none here; see ``StaticScheduler``), released
+        now, e.g. when the engine stops after a failed step."""
+        return []
+
+    # -- hooks -------------------------------------------------------------------------------
+    def validate(self, request: Request) -> str | None:
+        """One-line reason to reject the request, or None."""
+        bad = request.sampling_params.validate()
+        if bad:
+            return f"request {request.request_id}: {bad}"
+        if request.num_prompt_tokens < 1:
+            return f"request {request.request_id}: empty prompt"
+        if request.sampling_params.use_beam_search and not self.supports_beam_search:
+            return f"request {request.request_id}: beam search (beam_width > 1) needs the paged engine"
+        if request.max_total_tokens > self.config.max_model_len:
+            return (
+                f"request {request.request_id}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) exceeds max_model_len ({self.config.max_model_len})"
+            )
+        return None
+
+    def _release(self, request: Request) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def kv_stats(self, scheduled: dict[str, int] | None = None) -> KVStats:  # pragma: no cover - abstract
+        """Slot accounting now; ``scheduled`` tokens (request id -> count) count as written."""
+        raise NotImplementedError

@@ -1,0 +1,332 @@
+"""Llama-family forward pass over a flattened batch, reading Hugging Face safetensors directly.
+
+RMSNorm, rotary position embeddings (default, linear and ``llama3`` scaling), grouped-query attention
+through ``kernels.paged_attention``, SwiGLU MLP, optional q/k/v bias (Qwen2) and tied embeddings. The
+numerics follow transformers' ``LlamaForCausalLM`` (RMSNorm in float32, RoPE tables in float32, residual
+adds in the model dtype) so greedy outputs match it token for token in float32.
+
+q/k/v and gate/up projections are fused into one matrix each (fewer, larger GEMMs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engines.core.config import ModelConfig
+from kernels.paged_attention import causal_attention, paged_attention_decode, paged_attention_prefill, write_kv
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flattened tokens of one step map to sequences and KV slots.
+
+    The first ``num_decode_tokens`` tokens are decode tokens (one per sequence); the rest are prefill
+    chunks, each ``(token_offset, num_tokens, start_pos, block_table)``.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64 KV slot of every new token.
+        decode_block_tables: ``[num_decode, max_blocks]`` int64.
+        decode_context_lens: ``[num_decode]`` int64.
+        prefills: list of ``(offset, n, start_pos, block_table [nb] int64)``.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefills: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim/2]`` (float32), with linear or llama3 scaling if configured.
+
+    Formula: transformers' ``_compute_default_rope_parameters`` / ``_compute_llama3_parameters``.
+
+    Raises:
+        ValueError: an unsupported ``rope_type``.
+    """
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, inv_l)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device of a ``device`` knob: ``cpu``, ``cuda`` / ``cuda:N``, or ``auto`` (the current CUDA
+    device when torch sees one, else the CPU); a CUDA device always carries its index (``cuda:0``).
+
+    Raises:
+        ValueError: an unknown name, or ``cuda`` asked for where torch sees no CUDA device.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if re.fullmatch(r"cuda(:\d+)?", device or ""):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA device here (torch {torch.__version__}); "
+                             "use device cpu or auto")
+        dev = torch.device(device)
+        return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {device!r}")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The attention implementations a model uses, picked once for its device and dtype.
+
+    Attributes:
+        decode: ``paged_attention_decode``-shaped function (one query token per sequence).
+        prefill: ``paged_attention_prefill``-shaped function (a chunk after cached context).
+        fused_cpu: True when the compiled CPU ops (``kernels.cpu_ops``) run the whole layer.
+        name: what was picked, for logs and results (``cpp``, ``torch``, ``triton``).
+    """
+
+    decode: object
+    prefill: object
+    fused_cpu: bool
+    name: str
+
+
+def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> AttentionOps:
+    """Attention implementations for a model on ``device``.
+
+    ``torch``: the PyTorch reference (any device, any dtype). ``cpp``: the compiled CPU kernel (CPU,
+    float32). ``triton``: ``kernels.triton_attention`` (CUDA; on CPU it runs in Triton's interpreter,
+    which is how the tests exercise it). ``auto``: on CUDA the Triton kernels (the reference if Triton
+    is not installed); on CPU the compiled kernel when float32 and it builds, else the reference.
+
+    Raises:
+        ValueError: unknown backend, or ``cpp``/``triton`` requested but unavailable on this device.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    reference = AttentionOps(paged_attention_decode, paged_attention_prefill, False, "torch")
+    if backend == "torch":
+        return reference
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        ops = _triton_ops(required=backend == "triton")
+        if ops is None:
+            return reference
+        return AttentionOps(ops.paged_attention_decode, ops.paged_attention_prefill, False, "triton")
+    from kernels import cpu_ops
+
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend 'cpp' is a CPU kernel; the model is on {device}")
+    if dtype == torch.float32 and cpu_ops.available():
+        return AttentionOps(cpu_ops.paged_attention_decode, paged_attention_prefill, True, "cpp")
+    if backend == "cpp":
+        raise ValueError("attention_backend 'cpp' needs float32 and a C++ compiler")
+    return reference
+
+
+def _triton_ops(required: bool = False):
+    """``kernels.triton_attention``, or None when Triton is not installed or cannot run its kernels in this
+    process (ValueError if ``required``)."""
+    try:
+        from kernels import triton_attention
+    except ImportError as e:
+        if required:
+            raise ValueError(f"attention_backend 'triton' needs the triton package ({e})") from None
+        return None
+    if not triton_attention.available():
+        if required:
+            raise ValueError(f"attention_backend 'triton': {triton_attention.NO_INTERPRETER_ERROR}")
+        return None
+    return triton_attention
+
+
+def load_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``."""
+    index = model_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        with safe_open(str(model_dir / f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+class LlamaModel:
+    """Weights and forward pass. Call ``forward`` with a step's flattened tokens.
+
+    Args:
+        cfg: architecture.
+        weights: Hugging Face tensor names -> tensors.
+        dtype: ``torch.float32`` (default) or ``torch.bfloat16``.
+        attention_backend: see :func:`pick_attention`.
+        device: ``cpu`` (default), ``cuda``/``cuda:N`` or ``auto`` (see :func:`resolve_device`); weights,
+            RoPE tables and (through the executor) the KV cache and step tensors live there.
+
+    Raises:
+        KeyError: a weight the architecture needs is missing.
+        ValueError: a bad backend or device (one line).
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 attention_backend: str = "auto", device: str = "cpu"):
+        self.cfg, self.dtype = cfg, dtype
+        self.device = resolve_device(device)
+        # on CUDA the Triton kernels, on CPU the compiled kernel (or the reference)
+        self.attention = pick_attention(attention_backend, dtype, self.device)
+        self.decode_attention = self.attention.decode
+        self.fused = self.attention.fused_cpu
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+            bias = None
+            if a + "q_proj.bias" in w:
+                bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+            self.layers.append(
+                dict(
+                    ln1=w[p + "input_layernorm.weight"],
+                    qkv=qkv.contiguous(),
+                    qkv_bias=bias,
+                    o=w[a + "o_proj.weight"],
+                    ln2=w[p + "post_attention_layernorm.weight"],
+                    gate_up=gate_up.contiguous(),
+                    down=w[p + "mlp.down_proj.weight"],
+                )
+            )
+        inv = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos, self.sin = emb.cos().to(self.device, dtype), emb.sin().to(self.device, dtype)
+        self.scale = cfg.head_dim**-0.5
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
+                 device: str = "cpu") -> "LlamaModel":
+        model_dir = Path(model_dir)
+        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend, device)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run all layers on ``T`` new tokens.
+
+        Args:
+            input_ids: ``[T]`` int64.
+            positions: ``[T]`` int64.
+            meta: attention metadata of this step.
+            kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, kv_heads, head_dim]``.
+        Returns:
+            final hidden states ``[T, hidden_size]`` (after the last RMSNorm).
+        """
+        cfg = self.cfg
+        h, kvh, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if self.fused:
+            return self._forward_fused(input_ids, positions, meta, kv_caches)
+        t = input_ids.shape[0]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        x = self.embed[input_ids]
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            y = self._rms(x, layer["ln1"])
+            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            write_kv(kc, vc, k, v, meta.slot_mapping)
+            attn = self._attention(q, k, v, kc, vc, meta)
+            x = x + F.linear(attn.reshape(t, h * d), layer["o"])
+            y = self._rms(x, layer["ln2"])
+            gate, up = F.linear(y, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        return self._rms(x, self.norm)
+
+    def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
+        """The same computation with compiled CPU ops: residual add + RMSNorm in one pass, RoPE in
+        place, SiLU-and-mul in one pass (float32 only)."""
+        from kernels import cpu_ops
+
+        cfg = self.cfg
+        h, kvh, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        t = input_ids.shape[0]
+        x = self.embed[input_ids]
+        delta = None
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
+            y = cpu_ops.fused_add_rms_norm(x, delta, layer["ln1"], eps)
+            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+            cpu_ops.rope_inplace(q, positions, self.cos, self.sin)
+            cpu_ops.rope_inplace(k, positions, self.cos, self.sin)
+            write_kv(kc, vc, k, v, meta.slot_mapping)
+            attn = self._attention(q, k, v, kc, vc, meta)
+            o = F.linear(attn.reshape(t, h * d), layer["o"])
+            y = cpu_ops.fused_add_rms_norm(x, o, layer["ln2"], eps)
+            delta = F.linear(cpu_ops.silu_and_mul(F.linear(y, layer["gate_up"])), layer["down"])
+        return cpu_ops.fused_add_rms_norm(x, delta, self.norm, eps)
+
+    def _attention(self, q, k, v, kc, vc, meta: AttentionMetadata) -> torch.Tensor:
+        nd = meta.num_decode_tokens
+        decode = self.decode_attention
+        if nd and not meta.prefills:
+            return decode(q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = decode(q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        for off, n, start, table in meta.prefills:
+            sl = slice(off, off + n)
+            if start == 0:  # nothing cached before: attend to this step's own K/V
+                out[sl] = causal_attention(q[sl], k[sl], v[sl], 0, self.scale)
+            else:
+                out[sl] = self.attention.prefill(q[sl], kc, vc, table, start, self.scale)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,164 @@
+"""Model executor: turns a ``SchedulerOutput`` into tensors, runs the model, samples.
+
+One step is one flattened batch of mixed prefill and decode tokens: decode tokens first (one per
+sequence, batched paged attention; static padding rows among them, over the scratch block), then prefill
+chunks (attention per sequence). New K/V are written into their slots (``slot_mapping``) before attention
+reads the blocks. Logits are computed only for the last token of sequences that sample in this step.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engines.core.beam_search import num_candidates
+from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
+from engines.core.static_scheduler import PAD_BLOCK
+from engines.real.kv_cache import KVCache, SwapSpace
+from engines.real.model import AttentionMetadata, LlamaModel
+from engines.real.sampler import Sampler
+
+
+class ModelExecutor:
+    """Runs real forward passes.
+
+    Args:
+        model: the loaded model; the KV cache and every step's tensors go to its ``device``.
+        num_blocks, block_size: KV pool geometry (must match the scheduler's KV manager).
+        seed: seed of the shared sampling generator.
+        step_delay_s: test-only knob: extra seconds of busy work added to every step.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, step_delay_s: float = 0.0,
+                 num_cpu_blocks: int = 0):
+        self.model = model
+        self.device = model.device
+        self.kv = KVCache(model.cfg, num_blocks, block_size, model.dtype, self.device)
+        self.sampler = Sampler(seed)
+        self.step_delay_s = step_delay_s
+        self.swap = SwapSpace(self.kv, num_cpu_blocks) if num_cpu_blocks else None
+        self.block_bytes = self.kv.block_bytes
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, num_blocks: int, block_size: int, dtype=torch.float32, seed: int = 0):
+        return cls(LlamaModel.from_dir(model_dir, dtype), num_blocks, block_size, seed)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request state (sampling generator) of a finished request."""
+        self.sampler.release(request_id)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; returns sampled tokens of the sequences with ``sample`` and the duration (s)."""
+        t0 = time.perf_counter()
+        swap_time = self._copy_blocks(out)
+        if out.is_empty:
+            return StepResult({}, time.perf_counter() - t0, swap_time)
+        seqs = sorted(out.seqs, key=lambda s: not s.is_decode)  # decode rows first
+        input_ids, positions, meta, last_idx = self._prepare(seqs)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
+        sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
+        sampled, logprobs, beam_cands = {}, {}, {}
+        if sample_seqs:
+            # a row that forks parallel-sampling children is sampled once per child too (same logits)
+            rows, ids, params = [], [], []
+            for s in sample_seqs:
+                rows.append(last_idx[s.request_id])
+                ids.append(s.request_id)
+                params.append(s.sampling_params)
+                for cid, cp in zip(s.fork_ids, s.fork_params):
+                    rows.append(last_idx[s.request_id])
+                    ids.append(cid)
+                    params.append(cp)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            beam = [i for i, p in enumerate(params) if p.use_beam_search]  # beam rows give candidates
+            if beam:
+                width = max(params[i].beam_width for i in beam)
+                beam_cands = {ids[i]: c for i, c in zip(beam, beam_candidates(logits[beam], width))}
+                keep = [i for i in range(len(ids)) if not params[i].use_beam_search]
+                logits, ids, params = logits[keep], [ids[i] for i in keep], [params[i] for i in keep]
+            toks = self.sampler.sample(logits, ids, params) if ids else []
+            sampled = dict(zip(ids, toks))
+            if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
+                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)].cpu()
+                logprobs = dict(zip(ids, lp.tolist()))
+        if self.step_delay_s:
+            _busy_wait(self.step_delay_s)
+        if self.device.type == "cuda":  # a step that samples nothing has not waited for the GPU yet
+            torch.cuda.synchronize(self.device)
+        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs, beam_cands)
+
+    def _copy_blocks(self, out: SchedulerOutput) -> float:
+        """Run the step's swap-outs, swap-ins and block copies (in that order); returns the seconds the
+        swaps took."""
+        swap_time = 0.0
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            t = time.perf_counter()
+            self.swap.swap_out(self.kv, out.blocks_to_swap_out)
+            self.swap.swap_in(self.kv, out.blocks_to_swap_in)
+            swap_time = time.perf_counter() - t
+        self.kv.copy_blocks(out.blocks_to_copy)
+        return swap_time
+
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        bs = self.kv.block_size
+        ids, pos, slots = [], [], []
+        last_idx: dict[str, int] = {}
+        dec_tables, dec_lens, prefills = [], [], []
+        for s in seqs:
+            off = len(ids)
+            table = self._block_table(s)
+            ids.extend(s.token_ids)
+            p = range(s.start_pos, s.start_pos + s.num_tokens)
+            pos.extend(p)
+            slots.extend(table[i // bs] * bs + i % bs for i in p)
+            last_idx[s.request_id] = len(ids) - 1
+            if s.is_decode:
+                dec_tables.append(table)
+                dec_lens.append(s.context_len)
+            else:
+                prefills.append((off, s.num_tokens, s.start_pos, self._tensor(table[: -(-s.context_len // bs)])))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
+        if dec_tables:
+            width = max(-(-n // bs) for n in dec_lens)
+            padded = [t[:width] + [t[0]] * (width - len(t[:width])) for t in dec_tables]
+            meta.num_decode_tokens = len(dec_tables)
+            meta.decode_block_tables = self._tensor(padded)
+            meta.decode_context_lens = self._tensor(dec_lens)
+        return self._tensor(ids), self._tensor(pos), meta, last_idx
+
+    def _block_table(self, s: ScheduledSeq) -> list[int]:
+        """The KV blocks ``s`` reads and writes: its block table, with every ``PAD_BLOCK`` of a padding row
+        mapped to the scratch block (a padding row decodes at its batch's length over the scratch block
+        only; what it writes there is never read by a live row)."""
+        if not s.is_padding:
+            return s.block_table
+        return [self.kv.scratch_block if b == PAD_BLOCK else b for b in s.block_table]
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        """int64 tensor on the model's device (built on the CPU, then copied: one copy per tensor)."""
+        t = torch.tensor(values)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+
+def beam_candidates(logits: torch.Tensor, beam_width: int) -> list[list[tuple[int, float]]]:
+    """Each row's ``2 x beam_width`` most likely next tokens and their log-probabilities, as transformers'
+    beam search takes them (``log_softmax`` of float32 logits, then ``topk``).
+
+    Args:
+        logits: ``[rows, vocab]``.
+        beam_width: W (the largest of the batch's beam-search requests: a request with a smaller W gets extra
+            candidates, which cannot reach its top 2W and so change nothing).
+    Returns:
+        per row, ``[(token id, log p)]`` most likely first.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    vals, idx = torch.topk(logp, k=min(num_candidates(beam_width), logp.shape[-1]), dim=-1)
+    return [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+
+
+def _busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

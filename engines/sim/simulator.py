@@ -1,0 +1,212 @@
+"""Discrete-event simulator: the real scheduler and KV manager, a cost model instead of the model.
+
+Only the executor differs from the real engine: ``CostModelExecutor`` returns the cost model's
+predicted step duration (advancing a virtual clock) and a placeholder token for each sampling
+sequence. Everything else (``LLMEngine``, ``PagedScheduler``/``StaticScheduler``, the KV managers,
+step records) is the very code the real engine runs, so simulator-vs-real error measures the cost
+model and nothing else.
+
+Beam search runs the real ``BeamSearch`` bookkeeping on synthetic candidates: every beam proposes
+the same 2W log-probabilities -1, -2, ..., -2W for the placeholder token (never EOS), so each step decodes
+``beam_width`` sequences until ``max_tokens``, the best beam forks (sharing blocks, copy-on-write of its
+partly filled block) and the others are freed. What it models: W decode rows per step and their KV blocks
+and copies; what it does not: which beams a real model keeps (real beams fork less often) or EOS ending a
+search early, and block copies are not charged (a copy-on-write copy is one block).
+
+``simulate`` runs an event heap with a virtual clock, as Vidur does: ``ArrivalEvent`` (a request enters
+the scheduler) and ``StepEndEvent`` (the engine finishes a step and may start the next one). With
+``max_concurrency`` (closed-loop users) a request's ``ArrivalEvent`` is pushed only when a user is free,
+at max(now, its arrival time).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from engines.core.beam_search import num_candidates, synthetic_candidates
+from engines.core.config import DEFAULT_SWAP_BANDWIDTH
+from engines.core.llm_engine import LLMEngine, RequestOutput
+from engines.core.request import Request
+from engines.core.scheduler import Scheduler, SchedulerOutput, StepResult
+from engines.sim.cost_model import CostModel
+
+PLACEHOLDER_TOKEN = 0
+
+
+class VirtualClock:
+    """Seconds of simulated time; advanced only by the simulator."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostModelExecutor:
+    """Executor that predicts instead of computing.
+
+    Only the tokens a step computes are charged: a prefix-cache hit shortens the scheduled chunk
+    (``ScheduledSeq.token_ids``), so the cost model sees fewer tokens, while attention to the cached prefix
+    is still charged through ``start_pos``. Swapped blocks cost ``bytes / swap_bandwidth_bytes_per_s``.
+
+    Args:
+        cost_model: predicts step seconds from the scheduled batch.
+        clock: the virtual clock, advanced by each step's predicted duration.
+        block_bytes: bytes of one KV block over all layers (K and V), for swap traffic.
+        swap_bandwidth_bytes_per_s: host-device copy bandwidth charged for swaps (default 32e9,
+            PCIe 4.0 x16 one direction).
+    """
+
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_bytes: int = 0,
+                 swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH) -> None:
+        self.cost_model, self.clock = cost_model, clock
+        self.block_bytes = block_bytes
+        self.swap_bandwidth = swap_bandwidth_bytes_per_s
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        swap_time = n_swap * self.block_bytes / self.swap_bandwidth if n_swap else 0.0
+        dt = self.cost_model.predict(out.seqs) + swap_time
+        self.clock.now += dt
+        sampled, beams = {}, {}
+        for s in out.seqs:
+            if not s.sample or s.is_padding:
+                continue
+            if s.sampling_params.use_beam_search:  # synthetic candidates, see the module docstring
+                beams[s.request_id] = synthetic_candidates(num_candidates(s.sampling_params.beam_width),
+                                                           PLACEHOLDER_TOKEN)
+                continue
+            sampled[s.request_id] = PLACEHOLDER_TOKEN
+            sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
+        return StepResult(sampled, dt, swap_time, beam_candidates=beams)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+@dataclass
+class Event:
+    """An event on the heap, ordered by time, then by insertion order."""
+
+    time: float
+    order: int
+    request: Request | None = None
+
+    def __lt__(self, other: "Event") -> bool:
+        return (self.time, self.order) < (other.time, other.order)
+
+
+class ArrivalEvent(Event):
+    """A request arrives and joins the scheduler's waiting queue."""
+
+
+class StepEndEvent(Event):
+    """The engine finished a step; it starts the next one if it has work."""
+
+
+def make_sim_engine(scheduler: Scheduler, cost_model: CostModel, block_bytes: int = 0,
+                    swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH) -> LLMEngine:
+    """An ``LLMEngine`` over ``scheduler`` whose executor is the cost model on a virtual clock (the
+    simulator's executor and clock around any policy; ``engines.factory.build_engine`` builds whole sim
+    engines, policy included, from an engine description)."""
+    clock = VirtualClock()
+    ex = CostModelExecutor(cost_model, clock, block_bytes, swap_bandwidth_bytes_per_s)
+    return LLMEngine(scheduler, ex, tokenizer=None, clock=clock)
+
+
+def requests_in_flight(engine: LLMEngine) -> int:
+    """Requests added to ``engine`` and not yet answered (``Scheduler.num_unanswered``: waiting, running,
+    preempted or swapped, or finished and held until their static batch ends), a request with
+    parallel-sampling or beam sequences counted once."""
+    return engine.scheduler.num_unanswered()
+
+
+class ClosedLoopUsers:
+    """Sends requests onto the event heap: all at their arrival times (open loop, ``limit`` None), or as
+    ``limit`` closed-loop users: at most ``limit`` requests sent and not yet ended, and when one ends the
+    next pending request (in arrival order) is sent at max(now, its arrival time), which becomes its
+    ``arrival_time`` (seconds).
+
+    Raises:
+        ValueError: ``limit`` < 1.
+    """
+
+    def __init__(self, requests: list[Request], limit: int | None = None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"max_concurrency must be >= 1 (or None), got {limit}")
+        self.pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+        self.limit = limit
+        self.sent = 0  # ArrivalEvents on the heap that have not arrived yet
+
+    def send(self, engine: LLMEngine, now: float, heap: list[Event], order) -> None:
+        """Push an ArrivalEvent for every free user (every pending request in open loop)."""
+        if self.limit is None:
+            free = len(self.pending)
+        else:
+            free = self.limit - self.sent - requests_in_flight(engine)
+        for _ in range(min(free, len(self.pending))):
+            r = self.pending.popleft()
+            if self.limit is not None:
+                r.arrival_time = max(now, r.arrival_time)
+            heapq.heappush(heap, ArrivalEvent(r.arrival_time, next(order), r))
+            self.sent += 1
+
+    def arrived(self) -> None:
+        self.sent -= 1
+
+
+def simulate(engine: LLMEngine, requests: list[Request], max_concurrency: int | None = None) -> list[RequestOutput]:
+    """Replay ``requests`` (``arrival_time`` in seconds) on a simulated engine; returns every output
+    (finished and rejected) in completion order. The engine's clock must be a ``VirtualClock``.
+
+    ``max_concurrency`` (requests): closed-loop users, see :class:`ClosedLoopUsers`; a request's arrival is
+    rescheduled to when a user frees (a finished or rejected request ends at once), not polled.
+
+    Raises:
+        TypeError: the engine has no virtual clock. ValueError: ``max_concurrency`` < 1.
+        RuntimeError: requests are left that can never be scheduled.
+    """
+    clock = engine.clock
+    if not isinstance(clock, VirtualClock):
+        raise TypeError("simulate needs a simulated engine (engines.factory.build_engine with kind sim, or "
+                        "make_sim_engine): its clock must be a VirtualClock")
+    order = itertools.count()
+    heap: list[Event] = []
+    users = ClosedLoopUsers(requests, max_concurrency)
+    users.send(engine, clock.now, heap, order)
+    outputs: list[RequestOutput] = []
+    busy = False
+    while heap:
+        ev = heapq.heappop(heap)
+        clock.now = max(clock.now, ev.time)
+        if isinstance(ev, ArrivalEvent):
+            _arrive(engine, ev.request, outputs, users, heap, order)
+        else:
+            busy = False
+        while heap and isinstance(heap[0], ArrivalEvent) and heap[0].time <= clock.now:
+            _arrive(engine, heapq.heappop(heap).request, outputs, users, heap, order)  # all arrived by now
+        if busy or not engine.has_unfinished():
+            continue
+        # the engine is idle and has work: run one step; it ends at the advanced clock
+        outputs.extend(engine.step())
+        users.send(engine, clock.now, heap, order)  # requests that ended in the step free their users
+        if engine.steps[-1].num_seqs == 0:
+            continue  # nothing could be scheduled: wait for the next arrival
+        busy = True
+        heapq.heappush(heap, StepEndEvent(clock.now, next(order)))
+    if engine.has_unfinished():
+        raise RuntimeError(f"simulation stalled: {len(engine.scheduler.requests)} requests can never be scheduled")
+    return outputs
+
+
+def _arrive(engine: LLMEngine, request: Request, outputs: list[RequestOutput], users: ClosedLoopUsers,
+            heap: list[Event], order) -> None:
+    users.arrived()
+    rejected = engine.add_request(request)
+    if rejected is not None:
+        outputs.append(rejected)
+        users.send(engine, engine.clock(), heap, order)  # a rejected request ends at once and frees its user

@@ -1,0 +1,62 @@
+"""Workload traces: load public LLM-serving traces (and synthetic ones) into one request list.
+
+Every loader returns a list of :class:`TraceRequest`, sorted by arrival, with arrivals in seconds from the
+first request (the first is at 0.0). Formats (``load_trace(format, path, **kwargs)``), one module each:
+
+=========== ===================================================================================================
+``azure``    Azure LLM inference trace 2023 CSV ``TIMESTAMP,ContextTokens,GeneratedTokens`` (datetime strings)
+``mooncake`` Mooncake JSONL ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids`` (512-token
+             prefix blocks, replayed as deterministic token ids so shared prefixes share ids)
+``burstgpt`` BurstGPT CSV ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`` (s)
+``sharegpt`` ShareGPT JSON ``[{id, conversations: [{from, value}]}]``: first human turn is the prompt text
+``vidur``    Vidur CSV ``arrived_at,num_prefill_tokens,num_decode_tokens`` (s), or sarathi-serve's lengths CSV
+             ``num_prefill_tokens,num_decode_tokens,...`` without arrivals (all at 0)
+``synthetic`` Poisson/gamma arrivals at a rate, lengths fixed, uniform, lognormal or drawn from a lengths CSV
+=========== ===================================================================================================
+
+Every bad input raises :class:`TraceError` with one line ``<file>:<line>: <what is wrong>``.
+Then :func:`apply_transforms` cuts, samples, rescales time and lengths; :func:`trace_stats` summarises;
+:func:`ensure_prompt_ids` gives prompts that only have a length deterministic token ids.
+
+Modules: ``common`` (the request type, the error, CSV and value parsers, :data:`BUILTIN_TRACE_DIR`),
+``ids`` (prompt-id synthesis), one per format, ``formats`` (:func:`load_trace`), ``transforms``,
+``summary`` and ``prefix`` (a trace's ideal prefix-cache hit rate and the shared-prefix trace
+generator; imported from ``workbench.traces.prefix``, not re-exported here, as it needs ``engines``).
+"""
+
+from workbench.traces.azure import load_azure
+from workbench.traces.burstgpt import load_burstgpt
+from workbench.traces.common import BUILTIN_TRACE_DIR, TraceError, TraceRequest
+from workbench.traces.formats import FORMATS, load_trace
+from workbench.traces.ids import (DEFAULT_VOCAB_HI, DEFAULT_VOCAB_LO, MOONCAKE_BLOCK_TOKENS, ensure_prompt_ids,
+                                  mooncake_prompt_ids, synthesize_prompt_ids)
+from workbench.traces.mooncake import load_mooncake
+from workbench.traces.sharegpt import load_sharegpt
+from workbench.traces.summary import trace_stats
+from workbench.traces.synthetic import LENGTH_DISTS, load_synthetic, synthetic_arrivals
+from workbench.traces.transforms import apply_transforms
+from workbench.traces.vidur import load_vidur
+
+__all__ = [
+    "BUILTIN_TRACE_DIR",
+    "DEFAULT_VOCAB_HI",
+    "DEFAULT_VOCAB_LO",
+    "FORMATS",
+    "LENGTH_DISTS",
+    "MOONCAKE_BLOCK_TOKENS",
+    "TraceError",
+    "TraceRequest",
+    "apply_transforms",
+    "ensure_prompt_ids",
+    "load_azure",
+    "load_burstgpt",
+    "load_mooncake",
+    "load_sharegpt",
+    "load_synthetic",
+    "load_trace",
+    "load_vidur",
+    "mooncake_prompt_ids",
+    "synthesize_prompt_ids",
+    "synthetic_arrivals",
+    "trace_stats",
+]

@@ -1,0 +1,117 @@
+"""Trace transforms: cut, sample, rescale arrivals and lengths (:func:`apply_transforms`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from workbench.traces.common import TraceError, TraceRequest, check_limit, check_seed
+from workbench.traces.ids import request_key, synthesize_prompt_ids
+from workbench.traces.synthetic import synthetic_arrivals
+
+
+def _resize_ids(r: TraceRequest, n_tokens: int, seed: int) -> tuple[list[int] | None, str | None]:
+    """Token ids and text for a prompt resized to ``n_tokens``: cut keeps the prefix; growth appends ids."""
+    if r.prompt_token_ids is None:
+        return None, None
+    if n_tokens == len(r.prompt_token_ids):
+        return r.prompt_token_ids, None
+    if n_tokens < len(r.prompt_token_ids):
+        return r.prompt_token_ids[:n_tokens], None
+    extra = synthesize_prompt_ids(n_tokens - len(r.prompt_token_ids), seed, request_key(r.request_id))
+    return r.prompt_token_ids + extra, None
+
+
+def apply_transforms(
+    reqs: Sequence[TraceRequest],
+    limit: int | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+    time_scale: float | None = None,
+    request_rate: float | None = None,
+    max_input_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+    length_scale: float | None = None,
+    burstiness: float | None = None,
+) -> list[TraceRequest]:
+    """Cut, sample and rescale a trace; returns new requests (the input is not changed).
+
+    Applied in this order:
+
+    1. ``limit``: keep the first N requests (by arrival).
+    2. ``sample``: keep N requests drawn at random without replacement (``seed``), sorted by arrival and
+       rebased so the first arrives at 0.
+    3. ``time_scale``: multiply every inter-arrival time (2.0 = half the rate; 0 = all at once).
+    4. ``request_rate`` (req/s): rescale arrivals so the mean rate, (count - 1) / duration, equals it.
+       When the trace has no timing (all arrivals equal, e.g. ShareGPT or sarathi lengths) or ``burstiness``
+       is given, arrivals are instead replaced by a gamma process at that rate (burstiness default 1.0 =
+       Poisson, see :func:`synthetic_arrivals`). ``inf`` puts every arrival at 0.
+    5. ``length_scale``: multiply prompt and output lengths (rounded, at least 1).
+    6. ``max_input_tokens`` / ``max_output_tokens``: clip lengths.
+
+    Prompt token ids follow the prompt length: cutting keeps the prefix (so shared prefixes stay shared),
+    growing appends synthesized ids; ``prompt_text`` is dropped once the length changed.
+
+    Raises:
+        TraceError: a setting out of range (limit, sample, caps < 1; sample larger than the trace;
+            negative time_scale; request_rate or length_scale <= 0), or an empty trace.
+    """
+    out = sorted((dataclasses.replace(r) for r in reqs), key=lambda r: r.arrival_s)
+    if not out:
+        raise TraceError("trace is empty (no requests)")
+    check_seed(seed)
+    if limit is not None:
+        check_limit(limit)
+        out = out[:limit]
+    if sample is not None:
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
+            raise TraceError(f"sample must be a positive integer, got {sample!r}")
+        if sample > len(out):
+            raise TraceError(f"sample={sample} is more than the {len(out)} requests in the trace")
+        pick = np.sort(np.random.default_rng([seed, 3]).choice(len(out), size=sample, replace=False))
+        out = [out[i] for i in pick]
+    t0 = out[0].arrival_s
+    for r in out:
+        r.arrival_s -= t0
+    if time_scale is not None:
+        if not (isinstance(time_scale, (int, float)) and 0 <= time_scale < math.inf):
+            raise TraceError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
+        for r in out:
+            r.arrival_s *= time_scale
+    if request_rate is not None:
+        if not (isinstance(request_rate, (int, float)) and request_rate > 0):
+            raise TraceError(f"request_rate must be > 0 req/s (or inf), got {request_rate!r}")
+        duration = out[-1].arrival_s
+        if math.isinf(request_rate):
+            for r in out:
+                r.arrival_s = 0.0
+        elif burstiness is not None or (duration <= 0 and len(out) > 1):
+            for r, t in zip(out, synthetic_arrivals(len(out), request_rate, burstiness or 1.0, seed)):
+                r.arrival_s = t
+        elif len(out) > 1:
+            factor = (len(out) - 1) / request_rate / duration
+            for r in out:
+                r.arrival_s *= factor
+    elif burstiness is not None:
+        raise TraceError("burstiness needs request_rate (the rate of the synthetic arrival process)")
+    if length_scale is not None:
+        if not (isinstance(length_scale, (int, float)) and 0 < length_scale < math.inf):
+            raise TraceError(f"length_scale must be a finite number > 0, got {length_scale!r}")
+    for name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise TraceError(f"{name} must be a positive integer, got {cap!r}")
+    for r in out:
+        p, o = r.prompt_tokens, r.output_tokens
+        if length_scale is not None:
+            p, o = max(1, round(p * length_scale)), max(1, round(o * length_scale))
+        if max_input_tokens is not None:
+            p = min(p, max_input_tokens)
+        if max_output_tokens is not None:
+            o = min(o, max_output_tokens)
+        if p != r.prompt_tokens:
+            r.prompt_token_ids, r.prompt_text = _resize_ids(r, p, seed)
+        r.prompt_tokens, r.output_tokens = p, o
+    return out
