@@ -29,6 +29,16 @@ def tiny_model_dirs(tmp_path_factory, tiny_llama_dir):
     }
 
 
+@pytest.fixture
+def one_thread(monkeypatch):
+    """Real runs with one torch thread (``WORKBENCH_THREADS=1``, as the commands read it): robust when other
+    processes share the 2 cores. torch's thread count is restored afterwards."""
+    before = torch.get_num_threads()
+    monkeypatch.setenv("WORKBENCH_THREADS", "1")
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real SmolLM2-135M folder; pulled on first use (about a minute)."""

@@ -10,7 +10,7 @@ from engines.sim.catalog import get_hardware, get_model
 from engines.sim.cost_model import CostModel
 from workbench.metrics import summarize
 from workbench.runner import engine_config, run_engine
-from workbench.scenario import load_scenario_trace, validate_scenario
+from workbench.scenario import load_scenario_trace, policy_knobs, validate_scenario
 
 CM = CostModel({"const": 0.01, "tokens": 1e-4})
 SMOL = get_model("smollm2-135m").to_model_config()
@@ -62,18 +62,22 @@ def test_whatif_engine_honours_prefix_caching_on_and_off():
 @pytest.mark.parametrize("engine", [
     {"kind": "sim", "cost_model": "builtin:cpu"},
     {"kind": "sim", "policy": "orca", "cost_model": "builtin:cpu"},
+    {"kind": "sim", "policy": "static", "cost_model": "builtin:cpu"},
     WHATIF,
     {**WHATIF, "speculative_model": "qwen2.5-0.5b", "num_speculative_tokens": 3, "spec_acceptance_rate": 0.5},
 ])
 def test_every_scheduler_knob_reaches_the_engine(engine):
-    knobs = {"enable_prefix_caching": False, "enable_chunked_prefill": False, "long_prefill_token_threshold": 96,
-             "preemption_mode": "swap", "max_num_seqs": 7, "max_num_batched_tokens": 333, "max_model_len": 900,
-             "reservation": "pow2", "max_batch_size": 5}
+    """Every knob the engine's policy reads reaches its scheduler (the scenario refuses the others)."""
+    policy = engine.get("policy", "paged")
+    values = {"enable_prefix_caching": False, "enable_chunked_prefill": False, "long_prefill_token_threshold": 96,
+              "preemption_mode": "swap", "max_num_seqs": 7, "max_num_batched_tokens": 333, "reservation": "pow2",
+              "max_batch_size": 5, "completion": "own_end"}
+    knobs = {k: v for k, v in values.items() if k in policy_knobs(policy)} | {"max_model_len": 900}
     sc = scenario(PRESSURE, {"name": "e", **engine, **knobs, "kv_cache_tokens": 4096})
     eng = build_engine(engine_config(sc, sc.engines[0], None, SMOL))
     for k, v in knobs.items():
         assert getattr(eng.scheduler.config, k) == v, k
-    if engine.get("policy") != "orca":
+    if policy == "paged":
         assert eng.scheduler.kv.enable_caching is False and eng.scheduler.kv.num_cpu_blocks == 0  # no swap space
 
 

@@ -3,13 +3,13 @@
 import json
 
 import pytest
-import torch
 import yaml
 from typer.testing import CliRunner
 
 from workbench.cli import app
-from workbench.gate import (Bound, GateError, Interval, RatioBound, Samples, check_bound, check_ratio, parse_bound,
-                            parse_ratio, t975)
+from workbench.gate import Bound, GateError, Interval, RatioBound, check_bound, check_ratio, parse_bound, parse_ratio
+from workbench.results import Samples
+from workbench.stats import t975
 
 # Arrivals span ~0.5 s (12 requests at 20 req/s) and dominate the run's duration on the tiny model, so
 # output throughput is stable on a noisy CPU; 0.25 s of extra work per paged step stretches it 5x or more.
@@ -24,15 +24,6 @@ SCENARIO = {
     ],
     "slo": {"ttft_ms": 5000},
 }
-
-
-@pytest.fixture
-def one_thread(monkeypatch):
-    """Real runs with one torch thread (robust when other processes share the 2 cores)."""
-    before = torch.get_num_threads()
-    monkeypatch.setenv("WORKBENCH_THREADS", "1")
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture

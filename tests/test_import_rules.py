@@ -12,6 +12,8 @@ Rules:
   inside its functions), and nothing of ``engines.real`` at module level; ``engines/real/`` never imports
   ``engines.sim``.
 * ``kernels/`` imports neither ``engines`` nor ``workbench``.
+* Nothing in the packages imports ``workbench.cli`` (the Typer app that registers the commands): the
+  command modules (``workbench.commands``) and the library stand without it.
 * No import cycle between the project's modules, counting imports inside functions too: a deferred import
   hides a cycle from Python, not from the design.
 
@@ -150,6 +152,12 @@ def test_real_never_imports_the_simulator(imports):
 
 def test_kernels_import_neither_engines_nor_workbench(imports):
     _check(_violations(imports, "kernels", ("engines", "workbench")), "kernels/ must not import engines/ or workbench/")
+
+
+def test_nothing_imports_the_cli(imports):
+    bad = [f"{i} imports {i.target}" for i in imports
+           if _under(i.target, "workbench.cli") and i.module.split(".")[0] in PACKAGES]
+    _check(bad, "workbench.cli registers the commands; no module of engines/, kernels/ or workbench/ may import it")
 
 
 def _cycles(edges: dict[str, dict[str, Import]]) -> list[list[str]]:

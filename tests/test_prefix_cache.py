@@ -311,14 +311,18 @@ def test_swap_full_falls_back_to_recompute():
     assert sched.num_preemptions > 0 and sched.num_preemptions_swap == 0
 
 
-def test_swap_preemption_keeps_progress():
+def _swapping_scheduler():
+    """Three requests on 8 blocks of 4 tokens with swap preemption and 32 CPU blocks: (kv, sched, fake executor)."""
     kv = PagedKVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=32)
     sched = PagedScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                                            preemption_mode="swap"), kv)
-    reqs = [req(f"r{i}", range(3 + i, 11 + i), 12) for i in range(3)]
-    fake = FakeKVExecutor(kv, sched)
-    for r in reqs:
-        sched.add_request(r)
+    for i in range(3):
+        sched.add_request(req(f"r{i}", range(3 + i, 11 + i), 12))
+    return kv, sched, FakeKVExecutor(kv, sched)
+
+
+def test_swap_preemption_keeps_progress():
+    kv, sched, fake = _swapping_scheduler()
     swapped_in = 0
     while sched.has_unfinished():
         out = sched.schedule()
@@ -333,13 +337,7 @@ def test_swap_preemption_keeps_progress():
 
 
 def test_abort_swapped_request_frees_cpu_blocks():
-    kv = PagedKVCacheManager(num_blocks=8, block_size=4, num_cpu_blocks=32)
-    sched = PagedScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                                           preemption_mode="swap"), kv)
-    reqs = [req(f"r{i}", range(3 + i, 11 + i), 12) for i in range(3)]
-    fake = FakeKVExecutor(kv, sched)
-    for r in reqs:
-        sched.add_request(r)
+    kv, sched, fake = _swapping_scheduler()
     while not sched.swapped:
         out = sched.schedule()
         sched.update(out, fake(out))

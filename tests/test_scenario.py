@@ -1,17 +1,28 @@
-"""Scenario YAML files (workbench.scenario): validation, one-line errors, overrides, hashing."""
+"""Scenario YAML files (workbench.scenario): validation, the engine kinds and the knobs each takes, one-line
+errors, overrides, hashing (pinned for every committed scenario)."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import TypeAdapter
 
+from workbench.errors import UsageError
 from workbench.scenario import (
+    ENGINE_KINDS,
+    EngineSpec,
+    OpenAIEngineSpec,
+    PagedEngineSpec,
     Scenario,
     ScenarioError,
+    SimEngineSpec,
+    StaticEngineSpec,
     apply_overrides,
     builtin_traces,
     load_scenario,
@@ -21,6 +32,8 @@ from workbench.scenario import (
     validate_scenario,
 )
 from workbench.traces import BUILTIN_TRACE_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VALID = """\
 name: conv-small
@@ -80,7 +93,8 @@ def test_valid_scenario_defaults_paths_and_round_trip(scen_dir):
     assert sc.base_dir == scen_dir
     paged, static, sim = sc.engines
     assert (paged.block_size, paged.max_num_seqs, paged.max_num_batched_tokens, paged.dtype) == (16, 256, 2048, "float32")
-    assert (static.reservation, static.max_batch_size, static.policy, static.cost_model) == ("pow2", 8, None, None)
+    assert (static.reservation, static.max_batch_size, static.completion) == ("pow2", 8, None)
+    assert not hasattr(static, "policy") and not hasattr(paged, "reservation")  # each kind has its own knobs
     assert (sim.policy, sim.cost_model) == ("paged", "builtin:cpu") and sc.cost_model_path(sim) is None
     assert sc.slo.ttft_ms == 2000 and sc.slo.e2el_ms is None
     assert sc.engine("static") is static
@@ -157,7 +171,8 @@ def test_missing_file_and_yaml_syntax(tmp_path):
     ("name: static", "name: paged", "engines", "'paged' is engines.0 and engines.1"),
     ("kv_cache_tokens: 16384", "kv_cache_tokens: 16384\n    kv_cache_bytes: 100", "engines.0",
      "kv_cache_tokens or kv_cache_bytes, not both"),
-    ("reservation: pow2", "policy: static", "engines.1", "policy is only for kind sim"),
+    ("reservation: pow2", "policy: static", "engines.1.policy", "policy is only for kind sim (kind is static)"),
+    ("reservation: pow2", "max_num_seqs: 4", "engines.1.max_num_seqs", "paged- and orca-policy engines"),
     ("{name: sim-paged, kind: sim}", "{name: sim-paged, kind: sim, cost_model: builtin:gpu}", "engines.2",
      "builtin cost models: builtin:cpu"),
     ("{name: sim-paged, kind: sim}", "{name: sim-paged, kind: sim, cost_model: prof.json}", "engines.2.cost_model",
@@ -242,3 +257,130 @@ def test_scenario_hash_stable_and_sensitive(scen_dir):
     shutil.copytree(scen_dir / "traces", moved / "traces")
     assert scenario_hash(load_scenario(write(moved, VALID))) == h
     assert isinstance(Scenario.model_validate(data), Scenario)
+
+
+# every committed scenario's hash, computed with the flat EngineSpec of before the per-kind schema: results
+# and gate baselines (reports/baselines/ci-sim.json) name their scenario by it, so it must not move
+COMMITTED_HASHES = {
+    "scenarios/azure-code.yaml": "29c2f410e6fe0117",
+    "scenarios/chunked-prefill.yaml": "eeaee642c934e425",
+    "scenarios/ci-real.yaml": "5b5166807eeb6a4d",
+    "scenarios/ci-sim.yaml": "cd49508b04c19117",
+    "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",
+    "scenarios/paper/pagedattention_opt13b.yaml": "944a0520980a97f0",
+    "scenarios/prefix-sharing.yaml": "4381a5033d88f842",
+    "scenarios/quickstart.yaml": "5a0a8b4ebd3993fe",
+}
+
+
+def test_committed_scenarios_keep_their_hashes():
+    found = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scenarios").rglob("*.yaml"))
+    assert found == sorted(COMMITTED_HASHES), "a scenario was added or removed: pin its hash here"
+    for rel, h in COMMITTED_HASHES.items():
+        assert scenario_hash(load_scenario(ROOT / rel, check_files=False)) == h, rel
+    baseline = json.loads((ROOT / "reports/baselines/ci-sim.json").read_text())
+    assert baseline["scenario_hash"] == COMMITTED_HASHES["scenarios/ci-sim.yaml"]
+
+
+# ------------------------------------------------------------------------------- engine kinds
+
+
+def engine_file(folder, engine_lines: str):
+    """A scenario whose only engine (named ``e``) starts at line 4; its first knob is on line 6."""
+    return write(folder, "name: k\ntrace: {format: azure, path: 'builtin:azure_conv_slice.csv', limit: 4}\n"
+                 "engines:\n  - name: e\n" + "".join(f"    {x}\n" for x in engine_lines.split(";")))
+
+
+@pytest.mark.parametrize("engine, model", [
+    ({"kind": "paged"}, PagedEngineSpec), ({"kind": "static"}, StaticEngineSpec), ({"kind": "sim"}, SimEngineSpec),
+    ({"kind": "openai", "base_url": "http://h:1/v1"}, OpenAIEngineSpec)])
+def test_each_kind_validates_to_its_model(engine, model):
+    spec = TypeAdapter(EngineSpec).validate_python({"name": "e", **engine})
+    assert type(spec) is model and spec.kind == engine["kind"]
+    assert spec.policy_name == {"paged": "paged", "static": "static", "sim": "paged", "openai": None}[spec.kind]
+
+
+def test_unknown_or_missing_kind_is_one_line_listing_the_kinds(tmp_path):
+    msg = scenario_error(engine_file(tmp_path, "kind: dynamic"))
+    kinds = "'paged', 'static', 'sim' or 'openai'"
+    assert msg.endswith(f": engines.0.kind: Input should be {kinds}, got 'dynamic' (engine e, line 5)"), msg
+    assert ENGINE_KINDS == ("paged", "static", "sim", "openai")
+    msg = scenario_error(engine_file(tmp_path, "block_size: 8"))
+    assert msg.endswith(f": engines.0.kind: required field is missing; one of {kinds} (engine e, line 4)"), msg
+
+
+@pytest.mark.parametrize("engine, field, what", [
+    ("kind: paged;reservation: pow2", "reservation",
+     "only for static- and orca-policy engines (kind static, or kind sim with policy static or orca; kind paged)"),
+    ("kind: static;max_num_batched_tokens: 512", "max_num_batched_tokens",
+     "only for paged- and orca-policy engines (kind paged, or kind sim with policy paged or orca; kind static)"),
+    ("kind: paged;completion: own_end", "completion",
+     "only for static-policy engines (kind static, or kind sim with policy static; kind paged)"),
+    ("kind: static;enable_prefix_caching: false", "enable_prefix_caching", "only for paged-policy engines"),
+    ("kind: paged;base_url: http://h:1/v1", "base_url", "only for kind openai (kind is paged)"),
+    ("kind: static;hardware: h100-sxm", "hardware", "only for kind sim (kind is static)"),
+    ("kind: sim;device: cpu", "device", "only for real engines (kind paged or static; kind is sim)"),
+    ("kind: openai;base_url: http://h:1/v1;max_num_seqs: 4", "max_num_seqs",
+     "an engine knob, set on the server, not for kind openai"),
+    # a sim engine: its policy decides (policy paged when left out)
+    ("kind: sim;reservation: pow2", "reservation", "(kind static, or kind sim with policy static or orca; "
+                                                   "kind sim, policy paged)"),
+    ("kind: sim;policy: static;max_num_seqs: 8", "max_num_seqs", "kind sim, policy static)"),
+    ("kind: sim;policy: static;max_num_batched_tokens: 512", "max_num_batched_tokens", "kind sim, policy static)"),
+    ("kind: sim;policy: orca;max_batch_size: 8", "max_batch_size", "only for static-policy engines"),
+    ("kind: sim;policy: orca;enable_chunked_prefill: false", "enable_chunked_prefill", "kind sim, policy orca)"),
+    ("kind: sim;policy: static;swap_bandwidth_bytes_per_s: 1.0e+9", "swap_bandwidth_bytes_per_s",
+     "only for paged-policy engines (kind sim with policy paged; kind sim, policy static)"),
+])
+def test_a_knob_the_engine_cannot_use_names_file_engine_field_and_line(tmp_path, engine, field, what):
+    p = engine_file(tmp_path, engine)
+    line = 4 + engine.split(";").index(next(x for x in engine.split(";") if x.startswith(field + ":"))) + 1
+    msg = scenario_error(p)
+    assert msg.startswith(f"{p}: engines.0.{field}: {field} is "), msg
+    assert what in msg and msg.endswith(f"(engine e, line {line})"), msg
+
+
+def test_knob_defaults_never_trip_and_every_dump_validates_again(tmp_path):
+    engines = [
+        {"name": "p", "kind": "paged"}, {"name": "s", "kind": "static"}, {"name": "sp", "kind": "sim"},
+        {"name": "ss", "kind": "sim", "policy": "static"}, {"name": "so", "kind": "sim", "policy": "orca"},
+        {"name": "o", "kind": "openai", "base_url": "http://h:1/v1"},
+        # each policy's own knobs, some written at their default values
+        {"name": "p2", "kind": "paged", "max_num_seqs": 256, "preemption_mode": "swap", "swap_space_bytes": 1024},
+        {"name": "s2", "kind": "static", "reservation": "max", "max_batch_size": 8, "completion": "own_end"},
+        {"name": "sp2", "kind": "sim", "policy": "paged", "enable_prefix_caching": False,
+         "swap_bandwidth_bytes_per_s": 1e9},
+        {"name": "ss2", "kind": "sim", "policy": "static", "reservation": "pow2", "completion": "batch_end"},
+        {"name": "so2", "kind": "sim", "policy": "orca", "reservation": "oracle", "max_num_seqs": 8,
+         "max_num_batched_tokens": 512},
+    ]
+    data = {"name": "d", "trace": {"format": "synthetic", "synthetic": {"num_requests": 2, "request_rate": 1}},
+            "engines": engines}
+    sc = validate_scenario(data)
+    assert [e.policy_name for e in sc.engines] == ["paged", "static", "paged", "static", "orca", None,
+                                                   "paged", "static", "paged", "static", "orca"]
+    # a full dump (results.json's scenario) holds each engine's own knobs only, so it validates again
+    dumped = sc.model_dump(mode="json")
+    for e in dumped["engines"]:
+        kind_fields = set(type(sc.engine(e["name"])).model_fields)
+        assert set(e) <= kind_fields
+    assert "reservation" not in dumped["engines"][2] and "max_num_seqs" not in dumped["engines"][3]
+    assert "max_batch_size" not in dumped["engines"][4] and "reservation" in dumped["engines"][4]
+    again = validate_scenario(dumped)
+    assert again == sc and scenario_hash(again) == scenario_hash(sc)
+
+
+def test_overrides_of_a_knob_the_engine_lacks_are_one_line_errors(scen_dir):
+    p = write(scen_dir, VALID)
+    msg = scenario_error(p, overrides=parse_overrides(["engines.paged.reservation=pow2"]))
+    assert ": engines.0.reservation: reservation is only for static- and orca-policy engines" in msg
+    assert msg.endswith("; kind paged) (engine paged)"), msg
+    msg = scenario_error(p, overrides=parse_overrides(["engines.static.max_num_seqs=8"]))
+    assert ": engines.1.max_num_seqs: " in msg and "(engine static)" in msg
+    # the policy an override picks decides which knobs a sim engine may keep
+    msg = scenario_error(p, overrides={"engines.sim-paged.policy": "static", "engines.sim-paged.max_num_seqs": 4})
+    assert ": engines.2.max_num_seqs: " in msg and "kind sim, policy static" in msg
+
+
+def test_scenario_error_is_a_usage_error():
+    assert issubclass(ScenarioError, UsageError) and issubclass(ScenarioError, ValueError)

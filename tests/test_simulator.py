@@ -6,7 +6,7 @@ from engines.core.config import SchedulerConfig
 from engines.core.request import Request
 from engines.core.sampling_params import SamplingParams
 from engines.factory import build_scheduler
-from engines.sim.cost_model import CostModel, step_features
+from engines.sim.cost_model import FEATURES, CostModel, step_features
 from engines.sim.profiler import fit_with_holdout
 from engines.sim.simulator import make_sim_engine, simulate
 
@@ -68,6 +68,79 @@ def test_cost_model_fit_recovers_coefficients_and_round_trips(tmp_path):
     assert CostModel.load(tmp_path / "p.json").coef == pytest.approx(cm.coef)
     with pytest.raises(ValueError, match="not a cost-model profile"):
         CostModel.load(tmp_path / "missing.json")
+
+
+def test_cost_model_fit_recovers_known_nonnegative_coefficients():
+    # exact times from coefficients with one zero (prefill_attn): the fit returns them, the zero stays 0
+    true = {"const": 0.015, "tokens": 2e-3, "decode_ctx": 5e-7, "prefill_attn": 0.0, "sampled": 3e-4}
+    decodes = [{"const": 1, "tokens": b, "decode_ctx": b * c, "prefill_attn": 0, "sampled": b}
+               for b in (1, 8, 32) for c in (16, 256)]
+    prefills = [{"const": 1, "tokens": n, "decode_ctx": 0, "prefill_attn": n * n, "sampled": 1} for n in (16, 128, 512)]
+    rows = [(f, sum(true[k] * f[k] for k in FEATURES)) for f in decodes + prefills]
+    coef = CostModel.fit(rows).coef
+    for k in FEATURES:
+        assert coef[k] == pytest.approx(true[k], rel=1e-6, abs=1e-15), k
+
+
+def _relative_sse(rows, c):
+    return sum(((sum(c[i] * f[k] for i, k in enumerate(FEATURES)) - t) / t) ** 2 for f, t in rows)
+
+
+def _nnls_by_enumeration(rows):
+    """The exact minimiser of the fit's objective over c >= 0 (sum of squared relative errors): the best
+    of the least-squares solutions on each subset of features that come out non-negative (the optimum is
+    the least-squares solution on its own support)."""
+    import itertools
+
+    import numpy as np
+
+    a = np.array([[f[k] / t for k in FEATURES] for f, t in rows])
+    best = None
+    for n in range(1, len(FEATURES) + 1):
+        for support in itertools.combinations(range(len(FEATURES)), n):
+            sol, *_ = np.linalg.lstsq(a[:, support], np.ones(len(rows)), rcond=None)
+            if (sol >= 0).all():
+                c = np.zeros(len(FEATURES))
+                c[list(support)] = sol
+                if best is None or _relative_sse(rows, c) < _relative_sse(rows, best):
+                    best = c
+    return best
+
+
+def _drop_most_negative_column(rows):
+    """The fit this project used before scipy's NNLS (columns scaled to a maximum of 1 as in
+    ``CostModel.fit``): least squares, then drop the most negative coefficient's feature and refit until
+    none is negative (not a true NNLS)."""
+    import numpy as np
+
+    x = np.array([[f[k] for k in FEATURES] for f, _ in rows], dtype=float)
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    a = x / scale / np.array([t for _, t in rows])[:, None]
+    active = list(range(len(FEATURES)))
+    while True:
+        sol, *_ = np.linalg.lstsq(a[:, active], np.ones(len(rows)), rcond=None)
+        if (sol >= 0).all() or len(active) == 1:
+            c = np.zeros(len(FEATURES))
+            c[active] = np.maximum(sol, 0) / scale[active]
+            return c
+        active.pop(int(np.argmin(sol)))
+
+
+def test_cost_model_fit_is_the_true_nnls_where_dropping_columns_is_not():
+    # unconstrained least squares gives tokens, decode_ctx and prefill_attn negative coefficients, prefill_attn
+    # the most negative; the drop-a-column loop drops it first, then tokens and decode_ctx, and ends on const
+    # alone. The optimum keeps prefill_attn (the largest coefficient) with const and a little tokens: about a
+    # tenth of the loop's squared relative error.
+    grid = [(1, 3, 2, 4), (0, 1, 3, 5), (2, 1, 2, 5), (3, 3, 1, 2), (1, 0, 3, 5)]  # tokens, decode_ctx, prefill_attn, s
+    rows = [({"const": 1, "tokens": a, "decode_ctx": b, "prefill_attn": c, "sampled": 0}, float(t))
+            for a, b, c, t in grid]
+    best = _nnls_by_enumeration(rows)
+    old = _drop_most_negative_column(rows)
+    assert [k for k, v in zip(FEATURES, old) if v > 0] == ["const"]
+    assert _relative_sse(rows, old) > 5 * _relative_sse(rows, best)
+    coef = CostModel.fit(rows).coef
+    assert [coef[k] for k in FEATURES] == pytest.approx(list(best), abs=1e-9)
+    assert coef["prefill_attn"] > 1 and coef["decode_ctx"] == coef["sampled"] == 0
 
 
 def test_step_features():

@@ -4,7 +4,6 @@ import json
 
 import pandas as pd
 import pytest
-import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -36,14 +35,6 @@ def scenario_file(tmp_path, tiny_llama_dir):
     p = tmp_path / "sweep-tiny.yaml"
     p.write_text(yaml.safe_dump(dict(SCENARIO, model=str(tiny_llama_dir))))
     return p
-
-
-@pytest.fixture
-def one_thread(monkeypatch):
-    before = torch.get_num_threads()
-    monkeypatch.setenv("WORKBENCH_THREADS", "1")
-    yield
-    torch.set_num_threads(before)
 
 
 def test_axes_grid_and_engine_axis(scenario_file):

@@ -16,7 +16,7 @@ from engines.sim.catalog import GIB, MIB, CatalogError, get_hardware, get_model,
 from engines.sim.simulator import simulate
 from workbench.cli import app
 from workbench.scenario import ScenarioError, validate_scenario
-from workbench.spec_sweep import spec_sweep
+from workbench.commands.spec_sweep import spec_sweep
 
 
 def test_catalogues_have_the_required_entries_with_sources():
@@ -200,7 +200,7 @@ def test_whatif_sim_engine_from_a_scenario():
 def test_paper_check_sweep_and_sustained_rate():
     from pathlib import Path
 
-    from workbench.paper_check import sustained_rates, sweep
+    from workbench.commands.paper_check import sustained_rates, sweep
     from workbench.scenario import load_scenario
 
     sc = load_scenario(Path(__file__).parents[1] / "scenarios/paper/pagedattention_opt13b.yaml",

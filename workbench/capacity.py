@@ -1,4 +1,4 @@
-"""``workbench capacity``: the highest request rate at which a scenario's SLO holds on one engine.
+"""The highest request rate at which a scenario's SLO holds on one engine (``workbench capacity``).
 
 The rate is ``trace.request_rate`` (``workbench.traces.apply_transforms``: a recorded trace's arrival
 times are rescaled so that its mean rate, (count - 1) / span, is the target; a synthetic trace's arrivals
@@ -13,10 +13,10 @@ a finite trace; the answer is then *a* rate that passes with a failing rate just
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable
 
+from workbench.results import metric_value
 from workbench.scenario import Scenario, ScenarioError
 
 SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
@@ -56,8 +56,6 @@ def slo_limits(scenario: Scenario, metrics: list[str]) -> dict[str, float]:
 
 def evaluate(summary: dict, limits: dict[str, float], rate: float) -> Probe:
     """A :class:`Probe` from an engine summary: p99 of each limited metric <= its limit, and no failures."""
-    from workbench.compare import metric_value
-
     bad = [f"{k} p99 {summary[k]['p99']:.4g} > {lim:g}" for k, lim in limits.items() if summary[k]["p99"] > lim]
     if summary.get("num_failed"):
         bad.append(f"{summary['num_failed']} requests failed")
@@ -151,79 +149,6 @@ def find_capacity(probe: Callable[[float], Probe], start: float, tolerance: floa
     return CapacityResult(lo, hi, probes)
 
 
-def _line(p: Probe) -> str:
-    m = p.metrics
-    return (f"{p.rate:.4g} req/s: TTFT p99 {m['ttft_ms.p99']:.1f} ms, TPOT p99 {m['tpot_ms.p99']:.1f} ms, "
-            f"E2EL p99 {m['e2el_ms.p99']:.1f} ms, output {m['output_throughput']:.4g} tok/s, goodput "
-            f"{m['goodput']:.4g} req/s, {m['num_finished']:.0f} finished")
-
-
-def capacity_command(scenario: str, engines: list[str], metric: list[str], start: float | None, tolerance: float,
-                     max_rate: float, overrides: list[str], as_json: bool) -> None:
-    """``workbench capacity``: for each engine, prints each probe, then the capacity with the metrics at the
-    last passing rate and at the first failing rate above it; with several engines, the ratio of each
-    capacity to the first engine's. Real engines: each probe is a whole real run, so the time budget is
-    printed before starting. Exit 0 when every engine has a passing rate, 1 when the SLO failed at every
-    rate tried for some engine, 2 on bad input."""
-    import json
-    import os
-    import sys
-
-    import typer
-
-    from workbench.cli_errors import fail
-    from workbench.scenario import load_scenario, parse_overrides
-    from workbench.traces import TraceError
-
-    if os.environ.get("WORKBENCH_THREADS"):
-        import torch
-
-        torch.set_num_threads(int(os.environ["WORKBENCH_THREADS"]))
-    if isinstance(engines, str):
-        engines = [engines]
-    results: dict[str, CapacityResult] = {}
-    try:
-        sc = load_scenario(scenario, overrides=parse_overrides(overrides) if overrides else None)
-        for name in engines:
-            try:
-                sc.engine(name)
-            except KeyError as e:
-                raise ScenarioError(f"{scenario}: --engine: {e.args[0]}") from None
-        if len(set(engines)) != len(engines):
-            raise ScenarioError(f"{scenario}: --engine: an engine is named twice ({', '.join(engines)})")
-        limits = slo_limits(sc, metric)
-        begin = start if start is not None else sc.trace.request_rate or 1.0
-        if not (begin > 0 and math.isfinite(begin)):
-            raise ScenarioError(f"--start must be a finite rate > 0 req/s, got {begin}")
-        log = (lambda p: print(f"  {'pass' if p.ok else 'FAIL'} {_line(p)}" + ("" if p.ok else f"  [{'; '.join(p.violations)}]"),
-                               file=sys.stderr, flush=True))
-        for name in engines:
-            prober = EngineProber(sc, name, limits)
-            print(f"capacity of {name} ({sc.engine(name).kind}) in {sc.name}: SLO p99 "
-                  + ", ".join(f"{k} <= {v:g}" for k, v in limits.items()), file=sys.stderr)
-            if sc.engine(name).kind in ("paged", "static", "openai"):
-                print(f"  time budget: each probe is a real run of the whole trace ({_trace_size(prober)}); "
-                      f"about {_probe_budget(tolerance)} probes", file=sys.stderr)
-            results[name] = find_capacity(prober, begin, tolerance, max_rate, on_probe=log)
-    except (ScenarioError, TraceError, ValueError) as e:
-        fail(str(e))
-    ratios = capacity_ratios({n: r.last_pass.rate if r.last_pass else None for n, r in results.items()})
-    if as_json:
-        doc = {n: _result_json(r) for n, r in results.items()}
-        if len(engines) == 1:
-            print(json.dumps({"engine": engines[0], "scenario": sc.name, "slo_p99": limits, **doc[engines[0]]}, indent=2))
-        else:
-            print(json.dumps({"engines": engines, "scenario": sc.name, "slo_p99": limits, "capacity": doc,
-                              "ratios": ratios}, indent=2))
-    else:
-        for name, res in results.items():
-            _print_result(name, res, max_rate)
-        for k, v in ratios.items():
-            print(f"capacity ratio {k}: " + ("n/a (no passing rate)" if v is None else f"{v:.2f}x"))
-    if any(r.last_pass is None for r in results.values()):
-        raise typer.Exit(1)
-
-
 def capacity_ratios(capacities: dict[str, float | None]) -> dict[str, float | None]:
     """``{"B/A": capacity(B) / capacity(A)}`` for each engine B after the first one A (None when either
     has no passing rate)."""
@@ -233,36 +158,6 @@ def capacity_ratios(capacities: dict[str, float | None]) -> dict[str, float | No
     a = names[0]
     return {f"{b}/{a}": (capacities[b] / capacities[a] if capacities[a] and capacities[b] else None)
             for b in names[1:]}
-
-
-def _trace_size(prober: "EngineProber") -> str:
-    t = prober.scenario.trace
-    return f"{t.limit or t.sample or 'all'} requests of {t.path or t.format}"
-
-
-def _probe_budget(tolerance: float) -> str:
-    """A rough count of probes: a few doublings or halvings to bracket, then log2(1 / tolerance) bisections."""
-    bisect = math.ceil(math.log2(1 / tolerance))
-    return f"{2 + bisect}-{5 + bisect}"
-
-
-def _result_json(res: CapacityResult) -> dict:
-    return {"capacity_rate": res.last_pass.rate if res.last_pass else None,
-            "last_pass": asdict(res.last_pass) if res.last_pass else None,
-            "first_fail": asdict(res.first_fail) if res.first_fail else None,
-            "probes": [asdict(p) for p in res.probes]}
-
-
-def _print_result(engine: str, res: CapacityResult, max_rate: float) -> None:
-    if res.last_pass is None:
-        print(f"the SLO fails at every rate tried, down to {res.first_fail.rate:.4g} req/s ({engine})")
-        return
-    print(f"capacity: {res.last_pass.rate:.4g} req/s ({engine}, {len(res.probes)} runs)")
-    print(f"  holds at {_line(res.last_pass)}")
-    if res.first_fail is not None:
-        print(f"  fails at {_line(res.first_fail)}  [{'; '.join(res.first_fail.violations)}]")
-    else:
-        print(f"  the SLO holds at every rate tried, up to --max-rate {max_rate:g} req/s")
 
 
 __all__ = ["CapacityResult", "EngineProber", "Probe", "capacity_ratios", "evaluate", "find_capacity", "slo_limits"]

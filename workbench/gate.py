@@ -1,13 +1,10 @@
-"""``workbench gate``: regression gates on run results against a committed baseline.
+"""Regression bounds on run results (what ``workbench gate`` checks), over :class:`workbench.results.Samples`.
 
-A gate compares one or more runs of a scenario (``results.json`` files, or runs it makes itself with
-``--scenario FILE --repeat N``) against a baseline file and a set of bounds:
-
-- ``--max-drop METRIC=5%``: the value may fall at most 5% below the baseline (throughputs, goodput);
-- ``--max-rise METRIC=10%``: the value may rise at most 10% above the baseline (latencies, waste);
-- ``--max-change METRIC=0.1%``: either way (``*`` = every numeric summary metric: reproducing a
+- ``max-drop METRIC=5%``: the value may fall at most 5% below the baseline (throughputs, goodput);
+- ``max-rise METRIC=10%``: the value may rise at most 10% above the baseline (latencies, waste);
+- ``max-change METRIC=0.1%``: either way (``*`` = every numeric summary metric: reproducing a
   deterministic simulator run);
-- ``--ratio paged/static:output_throughput>=1.5``: a ratio between two engines of the same run, which
+- ``ratio paged/static:output_throughput>=1.5``: a ratio between two engines of the same run, which
   needs no baseline and holds across machines.
 
 ``METRIC`` is a dotted path into an engine's summary (``output_throughput``, ``e2el_ms.p99``), for
@@ -18,37 +15,24 @@ runs) a bound compares 95% confidence intervals, mean ± t(0.975, n-1)·s/√n (
 ``workbench.stats.mean_interval``), instead of
 single values: a drop is a violation only when the whole interval of the new runs lies below the bound
 computed from the low end of the baseline's interval (a rise: mirrored). With one run on each side this
-is the plain comparison of values.
-
-Baseline file (JSON, written by ``--update-baseline``)::
-
-    {"format": "workbench-baseline/1", "scenario_name": ..., "scenario_hash": ..., "created": ...,
-     "machine": {...}, "num_runs": N,
-     "engines": {"paged": {"kind": "paged", "metrics": {"output_throughput": [v1, ..., vN], ...}}}}
-
-A ``results.json`` also works as a baseline (one run).
+is the plain comparison of values. The baseline file's format is in :mod:`workbench.results`.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import math
-import os
-import platform
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from workbench.compare import ResultsError, flatten, fmt, load_run
-from workbench.stats import mean_interval, t975
+from workbench.errors import UsageError
+from workbench.results import Samples, fmt
+from workbench.stats import mean_interval
 
-BASELINE_FORMAT = "workbench-baseline/1"
 ABS_TOL = 1e-9  # absolute slack so that exact zeros and float round-off never fail a bound
 
 
-class GateError(ValueError):
-    """Bad gate input (bound syntax, unknown metric or engine, unreadable baseline); one line."""
+class GateError(UsageError):
+    """Bad gate input (bound syntax, unknown metric or engine); one line."""
 
 
 @dataclass
@@ -71,85 +55,6 @@ class Interval:
 
     def __str__(self) -> str:
         return fmt(self.mean) if self.n < 2 else f"{fmt(self.mean)} ± {fmt(self.half)}"
-
-
-# ---------------------------------------------------------------------------------------- samples
-
-
-@dataclass
-class Samples:
-    """Per engine, per metric, one value per run. ``kinds`` maps engine -> kind."""
-
-    scenario_name: str
-    scenario_hash: str | None
-    num_runs: int
-    kinds: dict[str, str]
-    metrics: dict[str, dict[str, list[float]]]  # engine -> metric -> values
-
-
-def samples_from_results(paths: list[str | Path]) -> Samples:
-    """Pool the summaries of several ``results.json`` files (runs of one scenario) into samples.
-
-    Raises:
-        GateError: a file is unreadable, or the files are of different scenarios.
-    """
-    try:
-        runs = [load_run(p) for p in paths]
-    except ResultsError as e:
-        raise GateError(str(e)) from None
-    for r in runs[1:]:
-        if r.scenario_hash != runs[0].scenario_hash:
-            raise GateError(f"{r.path} is a run of another scenario than {runs[0].path} "
-                            f"({r.scenario_hash} vs {runs[0].scenario_hash}); pool only runs of one scenario")
-    kinds: dict[str, str] = {}
-    metrics: dict[str, dict[str, list[float]]] = {}
-    for r in runs:
-        for name, e in r.engines.items():
-            kinds[name] = e.get("kind", "?")
-            for k, v in flatten(e.get("summary", {})).items():
-                metrics.setdefault(name, {}).setdefault(k, []).append(v)
-    return Samples(runs[0].scenario_name, runs[0].scenario_hash, len(runs), kinds, metrics)
-
-
-def load_baseline(path: str | Path) -> Samples:
-    """Read a baseline file (or a ``results.json`` used as one).
-
-    Raises:
-        GateError: missing or malformed file (the message suggests ``--update-baseline``).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise GateError(f"{p}: no such baseline; write one with --update-baseline")
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GateError(f"{p}: not a JSON baseline ({e})") from None
-    if isinstance(data, dict) and data.get("format") == BASELINE_FORMAT:
-        try:
-            eng = data["engines"]
-            return Samples(data.get("scenario_name", "?"), data.get("scenario_hash"), int(data["num_runs"]),
-                           {n: e.get("kind", "?") for n, e in eng.items()},
-                           {n: {k: [float(x) for x in v] for k, v in e["metrics"].items()} for n, e in eng.items()})
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise GateError(f"{p}: malformed baseline ({type(e).__name__}: {e})") from None
-    return samples_from_results([p])
-
-
-def write_baseline(samples: Samples, path: str | Path) -> Path:
-    """Write ``samples`` as a baseline file (creating folders); returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    data = {
-        "format": BASELINE_FORMAT,
-        "scenario_name": samples.scenario_name,
-        "scenario_hash": samples.scenario_hash,
-        "created": dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count()},
-        "num_runs": samples.num_runs,
-        "engines": {n: {"kind": samples.kinds.get(n, "?"), "metrics": m} for n, m in samples.metrics.items()},
-    }
-    p.write_text(json.dumps(data, indent=1) + "\n")
-    return p
 
 
 # ----------------------------------------------------------------------------------------- bounds
@@ -297,99 +202,5 @@ def check_ratio(r: RatioBound, new: Samples, base: Samples | None = None) -> Che
     return Check(f"{r.metric} ratio", f"{r.num}/{r.den}", bstr, str(vi), f"{r.op} {r.value:g}", "", ok)
 
 
-__all__ = ["BASELINE_FORMAT", "Bound", "Check", "GateError", "Interval", "RatioBound", "Samples", "check_bound",
-           "check_ratio", "load_baseline", "parse_bound", "parse_fraction", "parse_ratio", "samples_from_results",
-           "t975", "write_baseline"]
-
-
-def run_repeats(scenario: str, overrides: list[str], n: int, out_dir: Path, echo=print) -> list[Path]:
-    """Run the scenario ``n`` times into ``out_dir/run-1..n``; returns the results.json paths.
-
-    Raises:
-        GateError: the scenario or an override is bad, or a run fails on its input.
-    """
-    from workbench.runner import run_scenario
-    from workbench.scenario import ScenarioError, load_scenario, parse_overrides
-    from workbench.traces import TraceError
-
-    try:
-        sc = load_scenario(scenario, overrides=parse_overrides(overrides) if overrides else None)
-    except ScenarioError as e:
-        raise GateError(str(e)) from None
-    if os.environ.get("WORKBENCH_THREADS"):  # as `workbench run`
-        import torch
-
-        torch.set_num_threads(int(os.environ["WORKBENCH_THREADS"]))
-    paths = []
-    for i in range(1, n + 1):
-        d = out_dir / f"run-{i}"
-        echo(f"run {i}/{n} of {sc.name} -> {d}")
-        try:
-            run_scenario(sc, d)
-        except (TraceError, ValueError) as e:
-            raise GateError(f"{scenario}: {e}") from None
-        paths.append(d / "results.json")
-    return paths
-
-
-def gate_command(results: list[str], baseline: str | None, max_drop: list[str], max_rise: list[str],
-                 max_change: list[str], ratio: list[str], scenario: str | None, repeat: int, overrides: list[str],
-                 out: str | None, update_baseline: bool, force: bool, show_all: bool) -> int:
-    """``workbench gate``: returns the exit code (0 all bounds hold, 1 some violated); bad input exits 2."""
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from workbench.cli_errors import fail
-
-    console = Console(width=None if sys.stdout.isatty() else 200)
-    if repeat < 1:
-        fail(f"--repeat must be >= 1, got {repeat}")
-    if scenario is None and (repeat > 1 or overrides):
-        fail("--repeat and --set need --scenario FILE (the gate runs the scenario itself)")
-    if scenario is None and not results:
-        fail("give RESULTS (results.json files or run folders) or --scenario FILE to run")
-    try:
-        paths: list = list(results)
-        if scenario is not None:
-            stem = Path(scenario).stem
-            out_dir = Path(out) if out else Path("reports/runs") / f"gate-{stem}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-            paths += run_repeats(scenario, overrides, repeat, out_dir, echo=lambda s: print(s, file=sys.stderr))
-        new = samples_from_results(paths)
-        if update_baseline:
-            if not baseline:
-                fail("--update-baseline needs --baseline FILE (where to write it)")
-            p = write_baseline(new, baseline)
-            print(f"baseline written: {p} ({new.num_runs} run(s) of {new.scenario_name}, hash {new.scenario_hash})")
-            return 0
-        base = load_baseline(baseline) if baseline else None
-        if base is None and (max_drop or max_rise or max_change):
-            fail("--max-drop/--max-rise/--max-change need --baseline FILE")
-        if not (max_drop or max_rise or max_change or ratio):
-            fail("no bounds given: use --max-drop, --max-rise, --max-change and/or --ratio")
-        if base is not None and base.scenario_hash != new.scenario_hash and not force:
-            fail(f"the results are of scenario {new.scenario_name!r} (hash {new.scenario_hash}) but the baseline "
-                 f"{baseline} is of {base.scenario_name!r} (hash {base.scenario_hash}); pass --force to gate anyway")
-        engines = set(new.metrics) | (set(base.metrics) if base else set())
-        checks: list[Check] = []
-        for kind, items in (("drop", max_drop), ("rise", max_rise), ("change", max_change)):
-            for item in items:
-                checks += check_bound(parse_bound(kind, item, engines), base, new)
-        for item in ratio:
-            checks.append(check_ratio(parse_ratio(item), new, base))
-    except GateError as e:
-        fail(str(e))
-    bad = [c for c in checks if not c.ok]
-    shown = checks if show_all else bad
-    if shown:
-        runs = f"{new.num_runs} run(s)" + (f" vs baseline of {base.num_runs}" if base else "")
-        table = Table(title=("gate FAILED: violated bounds" if bad else "gate checks") + f" ({runs})")
-        for h in ("metric", "engine", "baseline", "value", "bound", "change", "status"):
-            table.add_column(h, justify="left" if h in ("metric", "engine", "bound") else "right")
-        for c in shown:
-            table.add_row(c.metric, c.engine, c.baseline, c.value, c.bound, c.change, "ok" if c.ok else "VIOLATED")
-        console.print(table)
-    print(f"gate {'FAILED' if bad else 'passed'}: {len(checks) - len(bad)} of {len(checks)} checks hold"
-          + (f", {len(bad)} violated" if bad else ""))
-    return 1 if bad else 0
+__all__ = ["Bound", "Check", "GateError", "Interval", "RatioBound", "check_bound", "check_ratio", "parse_bound",
+           "parse_fraction", "parse_ratio"]

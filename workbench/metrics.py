@@ -25,7 +25,7 @@ FORMULAS = {
     "kv_breakdown": "time-weighted shares of allocated slots: token_states, reserved (for tokens a request may still produce), internal_frag (allocated slots it can never use), external_frag (gaps between contiguous allocations) (PagedAttention, SOSP 2023, Fig. 2)",
     "kv_usage_mean": "time-weighted mean of slots allocated / pool slots (vllm:kv_cache_usage_perc as a fraction)",
     "percentiles": "numpy.percentile, linear interpolation (as vllm bench serve)",
-    # issue 5
+    # memory management (memory_summary)
     "prefix_cache_hit_rate": "prefix_cache_hits / prefix_cache_queries: prompt tokens found in the prefix cache over tokens looked up at first admission (vllm:prefix_cache_hits / vllm:prefix_cache_queries); re-admissions after a recompute preemption are not counted",
     "prefix_cache_ideal_hit_rate": "the trace's hit rate under an unlimited prefix cache: requests in arrival order, each hits its longest run of leading full blocks some earlier prompt had, at most prompt length - 1 tokens (workbench.traces.prefix.ideal_prefix_hit_rate)",
     "num_preemptions_recompute": "preemptions that freed the victim's blocks (recomputed later)",
@@ -129,11 +129,11 @@ def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) 
     }
     summary.update(kv_summary(steps))
     summary["saturation"] = saturation(outputs, steps, duration)
-    summary.update(issue5_summary(steps))
+    summary.update(memory_summary(steps))
     return summary
 
 
-def issue5_summary(steps) -> dict:
+def memory_summary(steps) -> dict:
     """Prefix-cache, preemption-mode, swap and sharing figures of a run (see ``FORMULAS``)."""
     q = sum(getattr(s, "prefix_cache_queries", 0) for s in steps)
     h = sum(getattr(s, "prefix_cache_hits", 0) for s in steps)

@@ -116,13 +116,13 @@ def make_plots(results: dict, frames: dict[str, tuple[pd.DataFrame, pd.DataFrame
     a1.legend(fontsize=7)
     plots["batch_preemptions.png"] = _png(fig)
     if any(summ[n].get("prefix_cache_hits", 0) or summ[n].get("num_preemptions_swap", 0)
-           or summ[n].get("kv_shared_saved_mean", 0) for n in names):  # issue 5 panel, when there is something to show
+           or summ[n].get("kv_shared_saved_mean", 0) for n in names):  # the memory-management panels, when there is something to show
         plots["memory_management.png"] = memory_plot(names, summ)
     return plots
 
 
 def memory_plot(names: list[str], summ: dict) -> bytes:
-    """Issue 5 panels: prefix-cache hit rate (measured vs the trace's ideal), preemptions by mode, swap
+    """Memory-management panels: prefix-cache hit rate (measured vs the trace's ideal), preemptions by mode, swap
     traffic, and KV memory saved by block sharing."""
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.2))
     x = np.arange(len(names))
@@ -148,7 +148,7 @@ def memory_plot(names: list[str], summ: dict) -> bytes:
 
 
 def memory_rows(results: dict) -> tuple[list[str], list[list]]:
-    """Issue 5 table: prefix caching, preemptions by mode, swap traffic, sharing."""
+    """Memory-management table: prefix caching, preemptions by mode, swap traffic, sharing."""
     headers = ["engine", "prefix cache queries", "hits", "hit rate", "trace ideal hit rate", "preemptions recompute",
                "preemptions swap", "swap MiB", "swap time s", "KV slots saved by sharing (mean)"]
     rows = []

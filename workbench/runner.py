@@ -18,13 +18,14 @@ from engines.sim.cost_model import CostModel
 from workbench.metrics import FORMULAS, relative_error, summarize
 from workbench.replay import make_requests, replay_realtime, replay_simulated
 from workbench.report import make_plots, requests_frame, steps_frame, write_html
-from workbench.scenario import ANALYTIC, EngineSpec, Scenario, load_scenario_trace, scenario_hash
+from workbench.scenario import (ANALYTIC, POOL_KNOBS, BuiltEngineSpec, EngineSpec, OpenAIEngineSpec, Scenario,
+                                SimEngineSpec, load_scenario_trace, policy_knobs, scenario_hash)
 from workbench.traces.prefix import ideal_prefix_hit_rate
 
 BUILTIN_PROFILES = Path(__file__).parent / "data" / "profiles"
 
 
-def load_cost_model(scenario: Scenario, spec: EngineSpec) -> CostModel:
+def load_cost_model(scenario: Scenario, spec: SimEngineSpec) -> CostModel:
     """The sim engine's cost model: a profile JSON, or ``builtin:cpu`` (this project's CPU profile).
 
     Raises:
@@ -36,19 +37,16 @@ def load_cost_model(scenario: Scenario, spec: EngineSpec) -> CostModel:
     return CostModel.load(path)
 
 
-def _knobs(spec: EngineSpec) -> dict:
-    """The knobs every engine kind (real or simulated) takes from its spec, as ``EngineConfig`` fields."""
-    return dict(block_size=spec.block_size, kv_cache_tokens=spec.kv_cache_tokens, kv_cache_bytes=spec.kv_cache_bytes,
-                max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-                max_model_len=spec.max_model_len, max_batch_size=spec.max_batch_size, reservation=spec.reservation,
-                enable_prefix_caching=spec.enable_prefix_caching, enable_chunked_prefill=spec.enable_chunked_prefill,
-                long_prefill_token_threshold=spec.long_prefill_token_threshold,
-                preemption_mode=spec.preemption_mode, swap_space_bytes=spec.swap_space_bytes,
-                completion=spec.completion,  # static policy only (None: the default, batch_end)
-                dtype=spec.dtype)
+def _knobs(spec: BuiltEngineSpec) -> dict:
+    """The ``EngineConfig`` fields (same names) a paged, static or sim engine takes from its spec: the KV
+    pool, ``max_model_len``, ``dtype`` and the knobs of its scheduling policy that its kind has (a sim engine's
+    ``swap_bandwidth_bytes_per_s`` with policy paged). The other policies' knobs are not on the spec's
+    kind, or cannot be set for its policy, so they stay at ``EngineConfig``'s defaults."""
+    names = POOL_KNOBS + tuple(n for n in policy_knobs(spec.policy_name) if n in type(spec).model_fields)
+    return {name: getattr(spec, name) for name in names}
 
 
-def catalog_model_name(scenario: Scenario, spec: EngineSpec) -> str:
+def catalog_model_name(scenario: Scenario, spec: SimEngineSpec) -> str:
     """The catalogue model an analytic sim engine simulates: its ``model``, else the scenario's model.
 
     Raises:
@@ -73,16 +71,20 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
     :func:`catalog_model_name` names, on ``tp`` x ``hardware``.
 
     Raises:
-        ValueError: an analytic engine's model is not in the catalogue, or a profile is missing or malformed.
+        ValueError: a kind openai engine (an endpoint: nothing to build), an analytic engine's model is not
+            in the catalogue, or a profile is missing or malformed.
     """
+    if isinstance(spec, OpenAIEngineSpec):
+        raise ValueError(f"engine {spec.name}: kind openai is an endpoint; there is no engine to build")
     knobs = {**_knobs(spec), "seed": scenario.seed}
-    if spec.kind != "sim":
+    if spec.kind in ("paged", "static"):
         return EngineConfig(kind=spec.kind, model=model_dir, device=spec.device,
                             attention_backend=spec.attention_backend, step_delay_s=spec.test_step_delay_s or 0.0,
                             **knobs)
+    assert isinstance(spec, SimEngineSpec)
     reserve = spec.activation_reserve_gib * GIB if spec.activation_reserve_gib is not None else None
-    sim = dict(kind="sim", policy=spec.policy, swap_bandwidth_bytes_per_s=spec.swap_bandwidth_bytes_per_s,
-               gpu_memory_utilization=spec.gpu_memory_utilization, activation_reserve_bytes=reserve, **knobs)
+    sim = dict(kind="sim", policy=spec.policy, gpu_memory_utilization=spec.gpu_memory_utilization,
+               activation_reserve_bytes=reserve, **knobs)
     if spec.cost_model == ANALYTIC:
         return EngineConfig(model=catalog_model_name(scenario, spec), hardware=spec.hardware, tp=spec.tp,
                             weight_dtype=spec.weight_dtype, kv_cache_dtype=spec.kv_cache_dtype,
@@ -153,7 +155,7 @@ def warm_up(engine) -> None:
     engine.steps.clear()
 
 
-def openai_api_key(spec: EngineSpec) -> str | None:
+def openai_api_key(spec: OpenAIEngineSpec) -> str | None:
     """The API key of a ``kind: openai`` engine; ``env:NAME`` reads ``$NAME``.
 
     Raises:
@@ -260,7 +262,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
             runtime: dict = {}
             outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime)
             summary = summarize(outs, steps, len(trace), slo)
-            if (spec.policy or spec.kind) == "paged":  # the trace's reuse under an unlimited cache
+            if spec.policy_name == "paged":  # the trace's reuse under an unlimited cache
                 ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
                 summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
             if spec.kind == "openai":
@@ -333,7 +335,7 @@ def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfi
     caps = measure_capacities(run, names, sample)
     cap = caps[load.engine]["capacity_req_s"]
     trace, rates = apply_load(trace, cap, load.factor, scenario.seed)
-    policies = {e.name: (e.policy or e.kind, e.kind == "sim") for e in scenario.engines if e.name in caps}
+    policies = {e.name: (e.policy_name, e.kind == "sim") for e in scenario.engines if e.name in caps}
     load_info = {"engine": load.engine, "factor": load.factor, "method": METHOD, "capacity_req_s": cap,
                  **rates, "probe_requests": len(sample)}
     capacity = {"method": METHOD, "probe_requests": len(sample), "engines": caps,
@@ -352,7 +354,7 @@ def mean_summary(summaries: list[dict]) -> dict:
     (std with n - 1; 0 for one run)."""
     import statistics
 
-    from workbench.compare import metric_value
+    from workbench.results import metric_value
 
     def avg(vals):
         first = vals[0]

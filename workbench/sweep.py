@@ -1,4 +1,4 @@
-"""``workbench sweep``: run a scenario over the Cartesian grid of overrides.
+"""Run a scenario over the Cartesian grid of overrides (``workbench sweep``).
 
 ``--set trace.request_rate=0.5,1,2 --set engines.paged.max_num_seqs=8,16`` gives 3 x 2 = 6 points. Each
 point is one ``workbench run`` of the scenario with that point's overrides, in its own folder
@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from workbench.results import metric_value
 from workbench.scenario import Scenario, ScenarioError, load_scenario
 
 ENGINE_AXIS = "engine"
@@ -168,8 +169,6 @@ def offered_rate(results: dict, out_dir: Path) -> float:
 
 def point_rows(point: Point, results: dict, out_dir: Path) -> list[dict]:
     """One sweep.csv row per engine of the point's results."""
-    from workbench.compare import metric_value
-
     rate = offered_rate(results, out_dir)
     users = results.get("scenario", {}).get("trace", {}).get("max_concurrency")
     rows = []
@@ -321,34 +320,6 @@ def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int 
     name = next(iter(results.values()))["scenario"]["name"] if results else Path(scenario_path).stem
     write_sweep_report(df, [k for k, _ in axes], out, title=f"Sweep of {name}")
     return df
-
-
-def sweep_command(scenario: str, items: list[str], jobs: int, executor: str, ray_address: str | None,
-                  out: str | None, point_reports: bool = True) -> None:
-    """``workbench sweep``: bad input exits 2 with one line."""
-    import datetime as dt
-
-    from workbench.cli_errors import fail
-    from workbench.traces import TraceError
-
-    if not items:
-        fail("sweep needs at least one --set KEY=V1,V2,... axis")
-    if jobs < 0:
-        fail(f"--jobs must be >= 0, got {jobs}")
-    if executor == "ray":
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            fail("--executor ray needs Ray: pip install 'llm-serving-workbench[ray]'")
-    try:
-        stem = Path(scenario).stem
-        out_dir = Path(out) if out else Path("reports/runs") / f"sweep-{stem}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-        df = run_sweep(scenario, items, out_dir, jobs, executor, ray_address, point_reports)
-    except (ScenarioError, TraceError, ValueError) as e:
-        fail(str(e))
-    print(f"{df['point'].nunique()} points, {len(df)} rows: {out_dir / 'sweep.csv'}")
-    print(f"report: {out_dir / 'sweep_report.html'}")
-    print(str(out_dir))
 
 
 __all__ = ["ENGINE_AXIS", "Point", "expand_grid", "offered_rate", "parse_axes", "plan", "point_rows",

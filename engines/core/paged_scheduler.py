@@ -44,9 +44,6 @@ class PagedScheduler(Scheduler):
 
     def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
         super().__init__(config)
-        bad = config.validate()
-        if bad:
-            raise ValueError(bad)
         self.kv = kv
         self.swapped: deque[Request] = deque()
         self.beam_search = BeamSearch()

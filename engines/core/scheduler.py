@@ -122,11 +122,17 @@ class Scheduler:
 
     Args:
         config: batching limits (``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``...).
+
+    Raises:
+        ValueError: a bad knob (see ``SchedulerConfig.validate``).
     """
 
     supports_beam_search = False  # only the paged policy runs beam search (BeamSearch)
 
     def __init__(self, config: SchedulerConfig) -> None:
+        bad = config.validate()
+        if bad:
+            raise ValueError(bad)
         self.config = config
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -39,9 +39,6 @@ class StaticScheduler(Scheduler):
 
     def __init__(self, config: SchedulerConfig, kv: ContiguousKVCacheManager) -> None:
         super().__init__(config)
-        bad = config.validate()
-        if bad:
-            raise ValueError(bad)
         self.kv = kv
         self.batch: list[Request] = []
         self._held: list[Request] = []  # finished members whose answers wait for their batch's end

@@ -1,6 +1,7 @@
 """Step-time cost model for the simulator: predicts a step's duration from its batch (no torch).
 
-A step's time is modelled as a linear function of what it computes (least squares on measured steps)::
+A step's time is modelled as a linear function of what it computes (non-negative least squares on
+measured steps)::
 
     t = c0 + c_tok * tokens + c_ctx * decode_context_tokens + c_pf_attn * prefill_attention_pairs
           + c_lm * sampled_rows
@@ -78,21 +79,24 @@ class CostModel:
 
     @classmethod
     def fit(cls, rows: list[tuple[dict[str, float], float]], source: str = "") -> "CostModel":
-        """Least-squares fit (non-negative coefficients) of measured ``(features, seconds)`` rows.
+        """Non-negative least-squares fit of measured ``(features, seconds)`` rows: the coefficients c >= 0
+        that minimise sum(((features . c - seconds) / seconds) ** 2) (relative errors, so that small steps
+        matter as much as big ones), solved by ``scipy.optimize.nnls`` (Lawson-Hanson active set) on
+        columns scaled to a maximum of 1.
 
         Raises:
             ValueError: fewer rows than features.
         """
         import numpy as np
+        from scipy.optimize import nnls
 
         if len(rows) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(rows)}")
         x = np.array([[f[k] for k in FEATURES] for f, _ in rows], dtype=float)
         y = np.array([t for _, t in rows], dtype=float)
-        # relative-error weighting: small steps matter as much as big ones
         w = 1.0 / np.maximum(y, 1e-6)
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-        sol = _nonneg_lstsq((x / scale) * w[:, None], y * w)
+        sol, _ = nnls((x / scale) * w[:, None], y * w)
         return cls({k: float(c / s) for k, c, s in zip(FEATURES, sol, scale)}, source)
 
     def save(self, path: str | Path) -> None:
@@ -113,21 +117,6 @@ class CostModel:
                        lm_table=d.get("lm_table", []))
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{p}: not a cost-model profile ({e})") from None
-
-
-def _nonneg_lstsq(a, b):
-    """Least squares with non-negative coefficients: drop the most negative column and refit until
-    none is negative (a small active-set method; enough for five features)."""
-    import numpy as np
-
-    active = list(range(a.shape[1]))
-    while True:
-        sol = np.zeros(a.shape[1])
-        coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-        sol[active] = coef
-        if (coef >= 0).all() or len(active) == 1:
-            return np.maximum(sol, 0.0)
-        active.pop(int(np.argmin(coef)))
 
 
 def _interp(table: list[list[float]], x: float) -> float:

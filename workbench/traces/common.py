@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from workbench.errors import UsageError
+
 BUILTIN_TRACE_DIR = Path(__file__).parent.parent / "data" / "traces"  # workbench/data/traces: the committed slices
 
 
-class TraceError(ValueError):
+class TraceError(UsageError):
     """A trace file or trace setting is unusable; the message is one line naming the file and line."""
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from engines.sim.catalog import GIB, MIB, get_hardware, get_model, kv_dtype_bytes, kv_heads_per_gpu, memory_plan
+from workbench.errors import UsageError
 
 
 def kv_calc(model: str, dtype: str = "bf16", tokens: int = 2048, hardware: str | None = None, tp: int = 1,
@@ -17,7 +20,7 @@ def kv_calc(model: str, dtype: str = "bf16", tokens: int = 2048, hardware: str |
         CatalogError: unknown model, hardware or dtype; bad tp or utilization.
     """
     m = get_model(model)
-    per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * kv_dtype_bytes(dtype)
+    per_token = m.kv_bytes_per_token(dtype, 1)
     out = {
         "model": m.key, "model_source": m.source, "kv_dtype": dtype, "tokens": tokens, "tp": tp,
         "formula": f"2 x {m.num_hidden_layers} layers x {m.num_key_value_heads} KV heads x {m.head_dim} x "
@@ -66,3 +69,18 @@ def format_kv_calc(r: dict) -> list[str]:
             f"concurrent requests of {r['tokens']:,} tokens: {r['concurrent_requests']:,}",
         ]
     return lines
+
+
+def main(model: str, dtype: str = "bf16", tokens: int = 2048, hardware: str | None = None, tp: int = 1,
+         gpu_memory_utilization: float = 0.9, weight_dtype: str = "bf16", block_size: int = 16,
+         as_json: bool = False) -> None:
+    """Print :func:`kv_calc`'s result as text lines or JSON.
+
+    Raises:
+        UsageError: ``tokens`` or ``block_size`` < 1 (``CatalogError``, an unknown name or a setting that
+            does not fit, is printed by the CLI as it is).
+    """
+    if tokens < 1 or block_size < 1:
+        raise UsageError("--tokens and --block-size must be >= 1")
+    r = kv_calc(model, dtype, tokens, hardware, tp, gpu_memory_utilization, weight_dtype, block_size)
+    print(json.dumps(r, indent=2) if as_json else "\n".join(format_kv_calc(r)))

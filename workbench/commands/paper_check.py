@@ -8,11 +8,13 @@ stays at or below ``threshold``; the crossing between two swept rates is linearl
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from engines.sim.simulator import simulate
+from workbench.errors import usage_errors
 from workbench.replay import make_requests
-from workbench.scenario import Scenario, apply_overrides, load_scenario_trace, validate_scenario
+from workbench.scenario import Scenario, apply_overrides, load_scenario, load_scenario_trace, validate_scenario
 
 
 def _at_rate(scenario: Scenario, rate: float) -> Scenario:
@@ -100,3 +102,27 @@ def write_outputs(rows: list[dict], sustained: dict, threshold: float, out_dir: 
     fig.savefig(out_dir / "normalized_latency.png", dpi=110)
     plt.close(fig)
     return [out_dir / "sweep.csv", out_dir / "sustained.csv", out_dir / "normalized_latency.png"]
+
+
+def main(scenario: str, rates: str = "0.5,1,1.25,1.5,1.75,2,2.5,3,3.5,4,5", threshold: float = 0.1,
+         out: str = "reports/runs/paper-check") -> None:
+    """Sweep ``rates`` (comma-separated req/s) on the scenario's sim engines, print each rate's normalized
+    latency (stderr) and then the rate each engine sustains and its ratio to the first engine's; write
+    :func:`write_outputs` into ``out``.
+
+    Raises:
+        UsageError: a bad scenario, rate list or engine setting, or no sim engine.
+    """
+    sc = load_scenario(scenario)
+    with usage_errors(ValueError):
+        rs = sorted(float(x) for x in rates.split(",") if x.strip())
+        rows = sweep(sc, rs, lambda r: print(f"rate {r['rate']:g}  {r['engine']:12s}  "
+                                             f"{r['normalized_latency_s_per_token']:.3f} s/token", file=sys.stderr))
+    sus = sustained_rates(rows, threshold)
+    write_outputs(rows, sus, threshold, Path(out), f"{sc.name}: normalized latency vs rate")
+    first = next(iter(sus))
+    print(f"sustained rate (normalized latency <= {threshold} s/token):")
+    for name, v in sus.items():
+        ratio = f"{sus[first] / v:.2f}x" if v and sus[first] else "-"
+        print(f"  {name:12s} {v if v is None else round(v, 3)} req/s   {first} / {name}: {ratio}")
+    print(out)

@@ -1,5 +1,5 @@
-"""Speculative-decoding what-if: predicted per-request latency with and without a draft model, over
-batch sizes (``workbench spec-sweep``).
+"""``workbench spec-sweep``: speculative-decoding what-if, the predicted per-request latency with and
+without a draft model over batch sizes.
 
 Each point simulates ``batch`` requests arriving together (prompt ``prompt_tokens``, exactly
 ``output_tokens`` outputs) on the paged policy with ``max_num_seqs = batch``, once on the plain
@@ -16,6 +16,7 @@ from engines.factory import build_whatif_engine
 from engines.sim.analytic_cost_model import AnalyticCostModel, SpecDecodeConfig
 from engines.sim.catalog import get_hardware, get_model
 from engines.sim.simulator import simulate
+from workbench.errors import UsageError
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -80,3 +81,39 @@ def write_sweep(rows: list[dict], out_dir: Path, title: str) -> tuple[Path, Path
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return csv, png
+
+
+def parse_batches(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``.
+
+    Raises:
+        UsageError: not comma-separated positive integers.
+    """
+    try:
+        bs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        bs = []
+    if not bs or min(bs) < 1:
+        raise UsageError(f"--batches must be comma-separated positive integers, got {text!r}")
+    return bs
+
+
+def main(model: str = "llama-3.1-70b", draft: str = "qwen2.5-0.5b", hardware: str = "h100-sxm", tp: int = 4,
+         k: int = 5, acceptance: float = 0.7, batches: str = "1,2,4,8,16,32,64,128", prompt_tokens: int = 512,
+         output_tokens: int = 256, out: str = "reports/runs/spec-decode") -> None:
+    """Run :func:`spec_sweep`, write ``spec_sweep.csv`` and ``spec_sweep.png`` into ``out``, print the table.
+
+    Raises:
+        UsageError: bad ``batches`` (``CatalogError``, unknown names or a deployment that does not fit, is
+            printed by the CLI as it is).
+    """
+    bs = parse_batches(batches)
+    rows = spec_sweep(model, draft, hardware, tp, k, acceptance, bs, prompt_tokens, output_tokens)
+    title = (f"{model} on {tp} x {hardware}, draft {draft}, k={k}, acceptance {acceptance}, "
+             f"prompt {prompt_tokens}, output {output_tokens}")
+    csv, png = write_sweep(rows, Path(out), title)
+    print(title)
+    print("batch  e2el_s  e2el_spec_s  speedup")
+    for r in rows:
+        print(f"{r['batch']:5d}  {r['e2el_s']:6.2f}  {r['e2el_spec_s']:11.2f}  {r['speedup']:6.2f}x")
+    print(f"{csv}\n{png}")

@@ -1,0 +1,79 @@
+"""``workbench run``: replay a scenario's trace on each of its engines, print the summary table, and say
+where results.json, the CSVs, PNGs and report.html are."""
+
+from __future__ import annotations
+
+from workbench.commands import set_torch_threads, table_console
+from workbench.errors import UsageError, usage_errors
+
+SIM_ERROR_NOTE = 0.15  # a simulator this far off its real engine gets the note on refitting its cost model
+
+
+def main(scenario: str, out: str | None = None, overrides: list[str] = (), repeat: int = 1) -> None:
+    """Load the scenario (with ``--set`` overrides), run it into ``out`` (default
+    ``reports/runs/<name>-<time>``) with a progress bar per engine, then print the summary table, the load
+    and capacity lines, each simulator's error against its real engine, and the report's path.
+
+    Raises:
+        UsageError: a bad scenario, override, trace or engine setting, or ``repeat`` < 1.
+    """
+    import datetime as dt
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from workbench.runner import run_scenario
+    from workbench.scenario import load_scenario, parse_overrides
+
+    set_torch_threads()
+    sc = load_scenario(scenario, overrides=parse_overrides(overrides) if overrides else None)
+    if repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {repeat}")
+    out_dir = Path(out) if out else Path("reports/runs") / f"{sc.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    console = Console(stderr=True)
+    with Progress(TextColumn("{task.description:18s}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[tps]}"), TimeElapsedColumn(), console=console) as prog:
+        def progress(name, kind, total):
+            task = prog.add_task(f"{name} ({kind})", total=total, tps="")
+            toks, start = [0], [None]
+
+            def on_output(o):  # output tok/s since the replay's first arrival (not counting model load)
+                toks[0] += len(o.token_ids)
+                start[0] = o.arrival_time if start[0] is None else min(start[0], o.arrival_time)
+                el = (o.finished_time or o.arrival_time) - start[0]
+                prog.update(task, advance=1, tps=f"{toks[0] / el:.0f} out tok/s so far" if kind != "sim" and el > 0 else "")
+            return on_output
+
+        with usage_errors(ValueError):
+            results = run_scenario(sc, out_dir, progress, repeat=repeat, echo=lambda m: prog.console.print(m))
+    print_summary(sc.name, results)
+    print(f"report: {out_dir / 'report.html'}")
+    print(out_dir)
+
+
+def print_summary(name: str, results: dict) -> None:
+    """The summary table (rich; 200 columns when not on a terminal), the load lines and the simulators'
+    errors against their real engines."""
+    from rich.table import Table
+
+    from workbench.report import load_lines, sim_error_rows, summary_rows
+
+    table = Table(title=f"{name}: {results['num_requests']} requests")
+    headers, rows = summary_rows(results)
+    keep = [0, 1, 3, 5, 7, 9, 10, 12, 13, 14, 15, 16]
+    for i in keep:
+        table.add_column(headers[i], justify="right")
+    for r in rows:
+        table.add_row(*[f"{r[i]:.4g}" if isinstance(r[i], float) else str(r[i]) for i in keep])
+    table_console().print(table)
+    for line in load_lines(results):
+        print(line)
+    _, sim_rows = sim_error_rows(results)
+    for r in sim_rows:
+        print(f"sim {r[0]} vs {r[1]}: output throughput {r[2]}, E2EL p50 {r[3]}, p99 {r[4]}")
+    if any(abs(v) > SIM_ERROR_NOTE for e in results["engines"].values()
+           for k, v in (e["summary"].get("sim_error") or {}).items() if k != "real_engine" and v is not None):
+        print(f"note: a simulator is more than {SIM_ERROR_NOTE:.0%} off its real engine. Its cost model was fitted on another "
+              "machine (builtin:cpu) or at another speed; refit it here with `workbench profile --out p.json` "
+              "and set the sim engines' cost_model: p.json")

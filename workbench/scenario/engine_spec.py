@@ -1,0 +1,371 @@
+"""The engines of a scenario: one pydantic model per ``kind``, and :data:`EngineSpec`, their union
+discriminated on ``kind``.
+
+Which knobs each kind takes:
+
+* every kind: ``name`` and ``kind``;
+* ``paged``, ``static`` and ``sim`` (engines this process builds, :class:`BuiltEngineSpec`): the KV pool
+  (``block_size``, ``kv_cache_tokens`` or ``kv_cache_bytes``), ``max_model_len``, ``dtype``, and the knobs
+  of their scheduling policy (:data:`POLICY_KNOBS`; a real engine's policy is its kind, a sim engine's is
+  its ``policy``):
+
+  - paged: ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
+    ``enable_chunked_prefill``, ``long_prefill_token_threshold``, ``preemption_mode``,
+    ``swap_space_bytes`` (and, simulated, ``swap_bandwidth_bytes_per_s``);
+  - static: ``max_batch_size``, ``reservation``, ``completion``;
+  - orca (simulated only): ``reservation``, ``max_num_seqs``, ``max_num_batched_tokens`` (iteration-level
+    batching over contiguous reservations, see ``engines.core.orca_scheduler``);
+
+* ``paged`` and ``static`` (the real model): ``device``, ``attention_backend``, ``test_step_delay_s``;
+* ``sim``: ``policy``, ``cost_model``, ``swap_bandwidth_bytes_per_s`` and the GPU what-if fields
+  (``model``, ``hardware``, ``tp``, ``weight_dtype``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ...);
+* ``openai``: ``base_url``, ``api_key`` and ``model`` (the served model's id); its engine knobs are the
+  server's.
+
+A knob written in the scenario for an engine that cannot use it (``reservation`` on a paged engine,
+``max_num_batched_tokens`` on a static one or on a sim engine with ``policy: static``) is an error naming
+the knob, raised before the engine's fields are validated; a knob left out never is, so defaults cannot
+trip it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union, get_args
+
+from pydantic import Field, SecretStr, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+
+from workbench.scenario.common import BUILTIN_PREFIX, SpecModel, field_error
+
+ENGINE_KINDS = ("paged", "static", "sim", "openai")
+REAL_KINDS = ("paged", "static")  # the real model under the policy of that name
+POLICIES = ("paged", "static", "orca")  # what a sim engine may simulate
+ANALYTIC = "analytic"  # cost_model: the roofline model of engines.sim.analytic_cost_model
+BUILTIN_COST_MODELS: tuple[str, ...] = ("builtin:cpu",)
+
+# The scheduling policies that read each knob (engines.core.config.SchedulerConfig and the policies in
+# engines.core); an engine whose policy is not listed cannot be given the knob.
+POLICY_KNOBS: dict[str, tuple[str, ...]] = {
+    "max_num_seqs": ("paged", "orca"),
+    "max_num_batched_tokens": ("paged", "orca"),
+    "enable_prefix_caching": ("paged",),
+    "enable_chunked_prefill": ("paged",),
+    "long_prefill_token_threshold": ("paged",),
+    "preemption_mode": ("paged",),
+    "swap_space_bytes": ("paged",),
+    "swap_bandwidth_bytes_per_s": ("paged",),
+    "max_batch_size": ("static",),
+    "reservation": ("static", "orca"),
+    "completion": ("static",),
+}
+
+
+def policy_knobs(policy: str) -> tuple[str, ...]:
+    """The knobs of :data:`POLICY_KNOBS` that scheduling policy ``policy`` reads."""
+    return tuple(name for name, policies in POLICY_KNOBS.items() if policy in policies)
+
+
+class EngineSpecBase(SpecModel):
+    """What every engine kind has.
+
+    Attributes:
+        name: unique within the scenario; letters, digits, ``_`` and ``-``, not only digits (overrides
+            address an engine by its name).
+        kind: ``paged`` (continuous batching), ``static`` (static batching baseline), ``sim`` (simulator) or
+            ``openai`` (an OpenAI-compatible server at ``base_url``, e.g. ``workbench serve``).
+    """
+
+    name: str = Field(min_length=1, max_length=64)
+    kind: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", v) or v.isdigit():
+            raise ValueError(f"engine name must use letters, digits, _ and - (not only digits), got {v!r}")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _knobs_fit(cls, data: Any) -> Any:
+        """Refuse a knob this kind (or, for sim, this policy) cannot use, naming it; only the keys the
+        scenario writes are looked at, so fields left at their defaults never trip this."""
+        kinds = get_args(cls.model_fields["kind"].annotation)
+        if not isinstance(data, dict) or len(kinds) != 1:
+            return data
+        kind = kinds[0]
+        policy = (data.get("policy") or "paged") if kind == "sim" else kind
+        for key in data:
+            if isinstance(key, str):
+                problem = misplaced_knob(kind, policy, key)
+                if problem:
+                    raise field_error(key, problem)
+        return data
+
+    @property
+    def policy_name(self) -> str | None:
+        """The scheduling policy: ``paged``, ``static`` or ``orca``; None for kind openai (the server's)."""
+        return self.kind if self.kind in REAL_KINDS else None
+
+
+class BuiltEngineSpec(EngineSpecBase):
+    """The knobs of every engine this process builds (kind paged, static or sim).
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_tokens, kv_cache_bytes: KV pool size in tokens or in bytes (at most one; neither: 65,536
+            tokens, or for an analytic sim engine what fits in GPU memory).
+        max_model_len: longest prompt + output in tokens (None = the model's).
+        dtype: ``float32`` or ``bfloat16``: the real model's weights and KV; a measured sim's KV bytes.
+    """
+
+    block_size: int = Field(16, ge=1)
+    kv_cache_tokens: int | None = Field(None, ge=1)
+    kv_cache_bytes: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> "BuiltEngineSpec":
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise ValueError("set kv_cache_tokens or kv_cache_bytes, not both")
+        return self
+
+
+class PagedPolicyKnobs(SpecModel):
+    """The paged policy's knobs (kind paged; kind sim with policy paged, and the first two with policy orca).
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step (tokens).
+        enable_prefix_caching: automatic prefix caching of full blocks (default true).
+        enable_chunked_prefill: split prompts across steps (default true).
+        long_prefill_token_threshold: most prompt tokens of one request per step (0 = no cap).
+        preemption_mode: ``recompute`` (default) or ``swap``.
+        swap_space_bytes: CPU swap pool for swap preemption, bytes (0 = none: swap falls back to recompute).
+    """
+
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+    swap_space_bytes: int = Field(0, ge=0)
+
+
+class StaticPolicyKnobs(SpecModel):
+    """The static policy's knobs (kind static; kind sim with policy static, and ``reservation`` with policy
+    orca).
+
+    Attributes:
+        max_batch_size: requests per batch.
+        reservation: KV reserved per request, contiguously: ``max`` (max_model_len), ``pow2`` (prompt +
+            output rounded up to a power of two) or ``oracle`` (prompt + true output).
+        completion: when a request's answer is returned, so its finish time and E2EL: ``batch_end``
+            (default when unset: when the last member of its batch finishes, as a static-batching server
+            answers) or ``own_end`` (its own last token). Left out of :func:`scenario_hash` when unset.
+    """
+
+    max_batch_size: int = Field(64, ge=1)
+    reservation: Literal["max", "pow2", "oracle"] = "max"
+    completion: Literal["batch_end", "own_end"] | None = None
+
+
+class RealEngineSpec(BuiltEngineSpec):
+    """What the real model (kind paged or static) adds: where it runs.
+
+    Attributes:
+        device: ``auto`` (default: CUDA when torch sees a GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
+        attention_backend: ``auto`` (Triton on CUDA, the compiled kernel on CPU), ``torch``, ``cpp`` or
+            ``triton``.
+        test_step_delay_s: TEST-ONLY: seconds of busy work added to every step, to slow an engine
+            deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
+    """
+
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
+    test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+# The policy-knob mixins come first among the bases so that the fields read name, kind, the shared knobs,
+# then the policy's (pydantic orders fields from the last base of the MRO to the first).
+class PagedEngineSpec(PagedPolicyKnobs, RealEngineSpec):
+    """``kind: paged``: the real model with continuous batching over paged KV (see the base classes' fields)."""
+
+    kind: Literal["paged"]
+
+
+class StaticEngineSpec(StaticPolicyKnobs, RealEngineSpec):
+    """``kind: static``: the real model with static batching over contiguous KV reservations (see the base
+    classes' fields)."""
+
+    kind: Literal["static"]
+
+
+class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
+    """``kind: sim``: the simulator, running the policy ``policy`` over a cost model. It has every policy's
+    knobs; the policy decides which of them the scenario may set (:data:`POLICY_KNOBS`).
+
+    Attributes:
+        policy: the scheduling policy simulated: ``paged`` (default; filled in on validation), ``static`` or
+            ``orca``.
+        cost_model: a profile JSON (relative to the scenario's folder), ``builtin:cpu`` (default) or
+            ``analytic`` (the roofline model of ``engines.sim.analytic_cost_model``; default when
+            ``hardware`` is set); filled in on validation.
+        swap_bandwidth_bytes_per_s: policy paged: swap copy bandwidth charged, bytes/s (default 32e9,
+            PCIe 4.0 x16).
+        model: the catalogue model simulated (default: the scenario's model).
+        hardware: catalogue GPU (``cost_model: analytic``).
+        tp: tensor-parallel GPUs.
+        weight_dtype: ``bf16``, ``fp8``, ``awq``, ``gptq`` or ``int4``.
+        kv_cache_dtype: ``bf16`` or ``fp8``.
+        gpu_memory_utilization: fraction of GPU memory for weights + activations + KV.
+        activation_reserve_gib: override of the activation reserve, GiB.
+        efficiency: overrides of the analytic cost model's efficiency factors.
+        speculative_model, num_speculative_tokens, spec_acceptance_rate: speculative decoding (all three
+            or none): the draft model (catalogue), tokens drafted per step, acceptance rate in [0, 1).
+    """
+
+    kind: Literal["sim"]
+    policy: Literal["paged", "static", "orca"] | None = None
+    cost_model: str | None = None
+    swap_bandwidth_bytes_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    model: str | None = None
+    hardware: str | None = None
+    tp: int = Field(1, ge=1)
+    weight_dtype: Literal["bf16", "fp8", "awq", "gptq", "int4"] = "bf16"
+    kv_cache_dtype: Literal["bf16", "fp8"] = "bf16"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    activation_reserve_gib: float | None = Field(None, ge=0, allow_inf_nan=False)
+    efficiency: dict[str, float] | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1)
+    spec_acceptance_rate: float | None = Field(None, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _defaults_and_whatif(self) -> "SimEngineSpec":
+        # policy and cost_model are filled in here (not as field defaults), so that scenario_hash, which
+        # leaves defaults out, keeps writing them
+        if self.policy is None:
+            self.policy = "paged"
+        if self.cost_model is None:
+            self.cost_model = ANALYTIC if self.hardware else "builtin:cpu"
+        _check_whatif(self)
+        if self.cost_model.startswith(BUILTIN_PREFIX) and self.cost_model not in BUILTIN_COST_MODELS:
+            raise ValueError(f"cost_model {self.cost_model!r} is unknown; builtin cost models: "
+                             f"{', '.join(BUILTIN_COST_MODELS)} (or analytic, or a profile JSON path)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # the other policies' knobs are not this engine's: a dump (results.json, a re-validated copy) leaves
+        # them out, as the scenario had to
+        data = handler(self)
+        policy = self.policy_name
+        return {k: v for k, v in data.items() if k not in POLICY_KNOBS or policy in POLICY_KNOBS[k]}
+
+    @property
+    def policy_name(self) -> str:
+        """The scheduling policy simulated (``paged`` when not validated yet)."""
+        return self.policy or "paged"
+
+
+class OpenAIEngineSpec(EngineSpecBase):
+    """``kind: openai``: replay against an OpenAI-compatible endpoint (``workbench serve``, ``vllm serve``);
+    its engine knobs are set on the server.
+
+    Attributes:
+        base_url: the endpoint's API root, ``http(s)://host:port/v1`` (required).
+        api_key: sent as ``Authorization: Bearer <api_key>``; ``env:NAME`` reads ``$NAME`` when the run
+            starts. Written masked to results.json.
+        model: the model id to request (default: the scenario's model).
+    """
+
+    kind: Literal["openai"]
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _needs_base_url(self) -> "OpenAIEngineSpec":
+        if not self.base_url or not re.match(r"https?://", self.base_url):
+            raise ValueError(f"kind openai needs base_url: http(s)://host:port/v1, got {self.base_url!r}")
+        return self
+
+
+EngineSpec = Annotated[Union[PagedEngineSpec, StaticEngineSpec, SimEngineSpec, OpenAIEngineSpec],
+                       Field(discriminator="kind")]
+"""One engine of a scenario: the model of its ``kind`` (annotate with it; check the kind with ``.kind``)."""
+
+# the knobs every engine this process builds has (kind paged, static or sim): its KV pool, max_model_len, dtype
+POOL_KNOBS = tuple(n for n in BuiltEngineSpec.model_fields if n not in EngineSpecBase.model_fields)
+ENGINE_MODELS: dict[str, type[EngineSpecBase]] = {
+    "paged": PagedEngineSpec, "static": StaticEngineSpec, "sim": SimEngineSpec, "openai": OpenAIEngineSpec}
+assert tuple(ENGINE_MODELS) == ENGINE_KINDS
+# the knobs of an engine this process builds that a served engine has on its server instead
+SERVER_KNOBS = frozenset(n for n in set(PagedEngineSpec.model_fields) | set(StaticEngineSpec.model_fields)
+                         if n in SimEngineSpec.model_fields and n not in EngineSpecBase.model_fields)
+
+
+def misplaced_knob(kind: str, policy: str, field: str) -> str | None:
+    """Why an engine of ``kind`` (scheduling ``policy``: a real engine's is its kind, a sim engine's its
+    ``policy``) cannot take ``field``, in one line; None when it can, or when no kind has such a field (an
+    unknown field, reported with the fields allowed) or the policy is not a known one (reported on
+    ``policy``)."""
+    takers = [k for k, m in ENGINE_MODELS.items() if field in m.model_fields]
+    if not takers or (field in ENGINE_MODELS[kind].model_fields and field not in POLICY_KNOBS):
+        return None
+    if kind == "openai" and field in SERVER_KNOBS:
+        return f"{field} is an engine knob, set on the server, not for kind openai"
+    if field in POLICY_KNOBS and kind != "openai":
+        if policy not in POLICIES:
+            return None
+        policies = POLICY_KNOBS[field]
+        if policy not in policies:
+            who = [f"kind {k}" for k in REAL_KINDS if k in policies and k in takers]
+            who.append("kind sim with policy " + " or ".join(policies))
+            this = f"kind sim, policy {policy}" if kind == "sim" else f"kind {kind}"
+            return (f"{field} is only for {'- and '.join(policies)}-policy engines ({', or '.join(who)}; "
+                    f"{this})")
+    if field in ENGINE_MODELS[kind].model_fields:
+        return None
+    if takers == list(REAL_KINDS):
+        return f"{field} is only for real engines (kind paged or static; kind is {kind})"
+    return f"{field} is only for kind {' or '.join(takers)} (kind is {kind})"
+
+
+def _check_whatif(e: SimEngineSpec) -> None:
+    """The GPU what-if fields of a sim engine fit together and name catalogue entries.
+
+    Raises:
+        ValueError: an unknown catalogue name or efficiency factor, analytic without hardware, analytic-only
+            fields on a measured cost model, or speculative decoding only partly given.
+    """
+    from engines.sim.analytic_cost_model import Efficiency
+    from engines.sim.catalog import CatalogError, get_hardware, get_model
+
+    analytic = e.cost_model == ANALYTIC
+    try:
+        if e.hardware is not None:
+            get_hardware(e.hardware)
+        if e.model is not None:
+            get_model(e.model)
+        if e.speculative_model is not None:
+            get_model(e.speculative_model)
+        if e.efficiency is not None:
+            Efficiency.default(**e.efficiency)
+    except CatalogError as err:
+        raise ValueError(str(err)) from None
+    if analytic and e.hardware is None:
+        raise ValueError("cost_model analytic needs hardware (a catalogue GPU, e.g. h100-sxm)")
+    if not analytic:
+        for name in ("hardware", "efficiency", "speculative_model"):
+            if getattr(e, name) is not None:
+                raise ValueError(f"{name} needs cost_model analytic (cost_model is {e.cost_model})")
+        if e.tp != 1 or e.weight_dtype != "bf16" or e.kv_cache_dtype != "bf16":
+            raise ValueError("tp, weight_dtype and kv_cache_dtype need cost_model analytic")
+    spec = (e.speculative_model, e.num_speculative_tokens, e.spec_acceptance_rate)
+    if any(v is not None for v in spec) and any(v is None for v in spec):
+        raise ValueError("speculative decoding needs speculative_model, num_speculative_tokens and "
+                         "spec_acceptance_rate together")
