@@ -44,3 +44,35 @@ def truncate_prompts(prompts: list[str], tokenizer, max_tokens: int = 512) -> li
         ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         out.append(p if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens]))
     return out
+
+
+def add_workload_args(ap) -> None:
+    """The workload options every offline peer benchmark takes (an ``argparse.ArgumentParser``): model folder,
+    prompt count, output tokens per request, prompt truncation (tokens) and the result file."""
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    ap.add_argument("--out", required=True)
+
+
+def write_result(out: str, engine: str, mode: str, batch_size, num_requests: int, output_tokens: int,
+                 max_tokens: int, elapsed_s: float, load0: float, threads: int) -> dict:
+    """Write one peer benchmark's result record (JSON, ``out``) and print it; returns it. Throughput is
+    ``output_tokens / elapsed_s`` (tok/s); the 1-minute load average before and after says how noisy the host was."""
+    result = {
+        "engine": engine,
+        "mode": mode,
+        "batch_size": batch_size,
+        "num_requests": num_requests,
+        "output_tokens": output_tokens,
+        "requested_output_tokens": num_requests * max_tokens,
+        "elapsed_s": round(elapsed_s, 3),
+        "output_tok_per_s": round(output_tokens / elapsed_s, 2),
+        "loadavg_1m_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "torch_threads": threads,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return result

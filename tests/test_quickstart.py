@@ -30,12 +30,12 @@ def test_quickstart_kv_waste_and_throughput(quickstart):
 def test_quickstart_runs_at_a_load_relative_to_this_machine(quickstart):
     """The offered rate follows the paged engine's measured capacity, so the headline holds on any CPU."""
     load, cap = quickstart["load"], quickstart["capacity"]
-    assert load["engine"] == "paged" and load["factor"] == 2.0 and load["method"] == "saturation_probe"
-    assert load["offered_req_s"] == pytest.approx(2.0 * load["capacity_req_s"])
+    assert load["engine"] == "paged" and load["factor"] == 1.5 and load["method"] == "saturation_probe"
+    assert load["offered_req_s"] == pytest.approx(1.5 * load["capacity_req_s"])
     assert load["capacity_req_s"] == cap["engines"]["paged"]["capacity_req_s"] > 0
     # paged batching sustains more requests per second than static batching of the same KV pool (the probe
-    # measured 1.47-1.72x on an AVX-512 machine at one and two threads)
-    assert cap["ratios"]["paged/static"] >= 1.2
+    # measured 1.28-1.42x on an AVX-512 machine at one and two threads; the probe is one short run)
+    assert cap["ratios"]["paged/static"] >= 1.1
     assert set(cap["engines"]) == {"paged", "static", "sim-paged", "sim-static"}
     # the static baseline cannot keep up with a load the paged engine nearly sustains
     assert quickstart["engines"]["static"]["summary"]["saturation"]["final_queue"] > 0

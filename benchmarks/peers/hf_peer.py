@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.prompts import load_sharegpt_prompts, truncate_prompts  # noqa: E402
+from benchmarks.prompts import add_workload_args, load_sharegpt_prompts, truncate_prompts, write_result  # noqa: E402,E501
 
 
 def run_generate(model, tok, prompts, max_tokens, batch_size):
@@ -61,14 +60,10 @@ def run_generate_batch(model, tok, prompts, max_tokens):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    add_workload_args(ap)
     ap.add_argument("--mode", choices=["generate", "generate_batch"], default="generate")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -87,21 +82,9 @@ def main():
     n_out = run(prompts, a.max_tokens)
     dt = time.perf_counter() - t0
 
-    result = {
-        "engine": f"transformers-{__import__('transformers').__version__}",
-        "mode": a.mode,
-        "batch_size": a.batch_size if a.mode == "generate" else None,
-        "num_requests": len(prompts),
-        "output_tokens": n_out,
-        "requested_output_tokens": len(prompts) * a.max_tokens,
-        "elapsed_s": round(dt, 3),
-        "output_tok_per_s": round(n_out / dt, 2),
-        "loadavg_1m_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],  # noisy host?
-        "torch_threads": torch.get_num_threads(),
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result(a.out, f"transformers-{__import__('transformers').__version__}", a.mode,
+                 a.batch_size if a.mode == "generate" else None, len(prompts), n_out, a.max_tokens, dt, load0,
+                 torch.get_num_threads())
 
 
 if __name__ == "__main__":

