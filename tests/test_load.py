@@ -203,8 +203,8 @@ def test_capacity_of_several_engines_and_their_ratio(write):
     assert set(doc["capacity"]) == {"sim-paged", "sim-static"} and "sim-static/sim-paged" in doc["ratios"]
 
 
-def test_capacity_ignores_trace_load(write):
-    """The capacity search sets the rate itself; a trace.load section gives way to it."""
+def test_capacity_runs_on_a_scenario_with_trace_load(write):
+    """A scenario written with trace.load (like the quickstart) can still be searched: the search sets the rate."""
     r = CliRunner().invoke(app, ["capacity", str(write(load={"engine": "sim-paged", "factor": 9.0})), "--engine",
                                  "sim-paged", "--tolerance", "0.1"])
     assert r.exit_code == 0, r.output

@@ -83,8 +83,8 @@ class EngineProber:
         from workbench.runner import run_engine
         from workbench.scenario import load_scenario_trace
 
-        # the probe sets the rate itself: a trace.load section (a rate relative to a measured capacity) gives
-        # way to it
+        # the probe sets the rate itself; dropping trace.load keeps the copy a valid scenario (the schema
+        # allows request_rate or load, not both; nothing below reads load)
         trace = self.scenario.trace.model_copy(update={"request_rate": rate, "load": None})
         sc = self.scenario.model_copy(update={"trace": trace, "engines": [self.spec]})
         trace = load_scenario_trace(sc, self.tokenizer, vocab_lo=100, vocab_hi=min(self.model_cfg.vocab_size, 49000))

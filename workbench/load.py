@@ -88,7 +88,7 @@ def measure_capacities(run: Callable[[str, list[TraceRequest]], list], names: li
     return {name: capacity_from_outputs(run(name, sample)) for name in names}
 
 
-def capacity_ratios(capacities: dict[str, dict], policies: dict[str, tuple[str, bool]]) -> dict[str, float]:
+def paged_static_ratios(capacities: dict[str, dict], policies: dict[str, tuple[str, bool]]) -> dict[str, float]:
     """``{"A/B": capacity(A) / capacity(B)}`` for each paged engine A and static engine B of the same side
     (both real or both simulated); ``policies`` maps a name to ``(policy, is_simulated)``."""
     out = {}
@@ -99,5 +99,5 @@ def capacity_ratios(capacities: dict[str, dict], policies: dict[str, tuple[str, 
     return out
 
 
-__all__ = ["DEFAULT_PROBE_REQUESTS", "METHOD", "apply_load", "capacity_from_outputs", "capacity_ratios",
+__all__ = ["DEFAULT_PROBE_REQUESTS", "METHOD", "apply_load", "capacity_from_outputs", "paged_static_ratios",
            "measure_capacities", "offered_rate", "probe_sample"]

@@ -315,7 +315,7 @@ def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfi
     Raises:
         ValueError: nothing of a probe finished.
     """
-    from workbench.load import METHOD, apply_load, capacity_ratios, measure_capacities, probe_sample
+    from workbench.load import METHOD, apply_load, measure_capacities, paged_static_ratios, probe_sample
 
     load = scenario.trace.load
     sample = probe_sample(trace, load.probe_requests)
@@ -339,7 +339,7 @@ def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfi
     load_info = {"engine": load.engine, "factor": load.factor, "method": METHOD, "capacity_req_s": cap,
                  **rates, "probe_requests": len(sample)}
     capacity = {"method": METHOD, "probe_requests": len(sample), "engines": caps,
-                "ratios": capacity_ratios(caps, policies)}
+                "ratios": paged_static_ratios(caps, policies)}
     return trace, load_info, capacity
 
 
