@@ -85,6 +85,8 @@ class EngineConfig:
             recompute).
         swap_bandwidth_bytes_per_s: sim only: host-device copy bandwidth a swap is charged at (default
             32e9, PCIe 4.0 x16 one way).
+        step_noise: sim over a measured cost model: multiply each step by a draw (seeded by ``seed``) of the
+            profile's measured step-to-step spread (``CostModel.noise_cv``); False: exact predictions.
         device, attention_backend: real only: where the model runs and its attention kernels.
         step_delay_s: real only, test-only: busy work added to every step.
         hardware, tp, weight_dtype, kv_cache_dtype, efficiency, speculative_model,
@@ -100,6 +102,7 @@ class EngineConfig:
     cost_model: Any = None
     dtype: str = "float32"
     seed: int = 0
+    step_noise: bool = True
     block_size: int = 16
     kv_cache_tokens: int | None = None
     kv_cache_bytes: int | None = None
@@ -290,7 +293,7 @@ def _build_sim(config: EngineConfig) -> LLMEngine:
         clock = VirtualClock()
         return SpecDecodeSimEngine(sched, SpecDecodeExecutor(cm, clock, config.seed, **swap), tokenizer=None,
                                    clock=clock)
-    return make_sim_engine(sched, cm, **swap)
+    return make_sim_engine(sched, cm, **swap, seed=config.seed if config.step_noise else None)
 
 
 def _planned_blocks(cm: AnalyticCostModel, config: EngineConfig, sched_cfg: SchedulerConfig) -> int:

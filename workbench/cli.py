@@ -114,14 +114,16 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
 
 @app.command()
 def profile(model: str = typer.Option("smollm2-135m", help="model name or folder"),
-            out: str = typer.Option(..., "--out", help="profile JSON to write"),
-            quick: bool = typer.Option(False, help="a small grid (tests)"),
-            repeats: int = typer.Option(3, help="timed runs per grid point (median)"),
-            kv_cache_tokens: int = typer.Option(65536)) -> None:
-    """Time real steps over a grid of batches, fit the simulator's cost model, print held-out error."""
+            out: Optional[str] = typer.Option(None, "--out", help="profile JSON to write (default: this machine's "
+                                              "cache entry, $WORKBENCH_CACHE/profiles/, which cost_model: auto reads)"),
+            dtype: str = typer.Option("float32", help="float32 or bfloat16"),
+            quick: bool = typer.Option(False, help="the small grid (about 40 s on 2 cores)"),
+            repeats: int = typer.Option(3, help="timed runs per grid step (median)")) -> None:
+    """Time real steps over a grid of batch shapes on this machine, fit the simulator's cost model, print its
+    error; the file is what a sim engine's cost_model: auto uses on this machine."""
     from workbench.commands.profile import main
 
-    main(model, out, quick, repeats, kv_cache_tokens)
+    main(model, out, dtype, quick, repeats)
 
 
 @app.command()

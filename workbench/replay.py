@@ -79,13 +79,13 @@ def replay_realtime(engine: LLMEngine, requests: list[Request],
         ValueError: ``max_concurrency`` < 1.
     """
     users = _Users(max_concurrency)
-    engine.clock = _RelativeClock()
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     outputs: list[RequestOutput] = []
     # Like vLLM after start-up: move everything alive now out of the collector's reach, so that a big
     # heap left by earlier work (a test session, a previous engine) does not slow every step's GC.
     gc.collect()
     gc.freeze()
+    engine.clock = _RelativeClock()  # time 0 is when the first step can run, as on the simulator's clock
     try:
         _replay_loop(engine, pending, outputs, on_output, users)
     finally:

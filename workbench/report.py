@@ -222,13 +222,25 @@ def load_lines(results: dict) -> list[str]:
 
 
 def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
-    headers = ["sim engine", "vs real engine", "output throughput error", "E2EL p50 error", "E2EL p99 error"]
+    """The sim-vs-real error table (``summary.sim_error``, see ``workbench.fidelity``): one row per sim engine,
+    signed errors of the distribution, per-request MAPEs, the step level's per-shape medians and noise floor."""
+    def pct(x, signed=True):
+        return "n/a" if x is None else (f"{x:+.1%}" if signed else f"{x:.1%}")
+
+    headers = ["sim engine", "vs real engine", "output throughput", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99",
+               "E2EL p50", "E2EL p99", "request TTFT MAPE", "request E2EL MAPE", "step MAPE",
+               "step per-shape median MAPE", "step noise floor"]
     rows = []
     for n, e in results["engines"].items():
         err = e["summary"].get("sim_error")
-        if err:
-            rows.append([n, err["real_engine"], f"{err['output_throughput']:+.1%}", f"{err['e2el_p50']:+.1%}",
-                         f"{err['e2el_p99']:+.1%}"])
+        if not err:
+            continue
+        d, rq, st = err["dist"], err["request"], err["step"]
+        rows.append([n, err["real_engine"], pct(d["output_throughput"]), pct(d["ttft_ms"]["p50"]),
+                     pct(d["ttft_ms"]["p99"]), pct(d["tpot_ms"]["p50"]), pct(d["itl_ms"]["p99"]),
+                     pct(d["e2el_ms"]["p50"]), pct(d["e2el_ms"]["p99"]), pct(rq.get("ttft_mape"), False),
+                     pct(rq.get("e2el_mape"), False), pct(st.get("mape"), False),
+                     pct(st.get("shape_median_mape"), False), pct(st.get("noise_floor"), False)])
     return headers, rows
 
 

@@ -15,26 +15,39 @@ from engines.core.config import ModelConfig
 from engines.factory import EngineConfig, build_engine
 from engines.sim.catalog import GIB
 from engines.sim.cost_model import CostModel
-from workbench.metrics import FORMULAS, relative_error, summarize
+from workbench.fidelity import FORMULAS as FIDELITY_FORMULAS
+from workbench.metrics import FORMULAS, summarize
 from workbench.replay import make_requests, replay_realtime, replay_simulated
 from workbench.report import make_plots, requests_frame, steps_frame, write_html
-from workbench.scenario import (ANALYTIC, POOL_KNOBS, BuiltEngineSpec, EngineSpec, OpenAIEngineSpec, Scenario,
+from workbench.scenario import (ANALYTIC, AUTO, POOL_KNOBS, BuiltEngineSpec, EngineSpec, OpenAIEngineSpec, Scenario,
                                 SimEngineSpec, load_scenario_trace, policy_knobs, scenario_hash)
 from workbench.traces.prefix import ideal_prefix_hit_rate
 
 BUILTIN_PROFILES = Path(__file__).parent / "data" / "profiles"
 
 
-def load_cost_model(scenario: Scenario, spec: SimEngineSpec) -> CostModel:
-    """The sim engine's cost model: a profile JSON, or ``builtin:cpu`` (this project's CPU profile).
+def load_cost_model(scenario: Scenario, spec: SimEngineSpec, model_dir: Path | None = None,
+                    echo: Callable[[str], None] | None = None) -> tuple[CostModel, dict]:
+    """The sim engine's measured cost model and where it came from (``{path, fingerprint, created}``):
+    ``auto`` is this machine's profile for the scenario's model and the engine's dtype (measured now if it is
+    not cached, see ``workbench.calibration``); a profile JSON or ``builtin:NAME`` (a committed profile) is
+    used as named, with a warning when it was measured on another machine or setup.
 
     Raises:
-        ValueError: the profile file is missing or malformed.
+        ValueError: the profile file is missing or malformed, or it measured another model or dtype.
     """
-    path = scenario.cost_model_path(spec)
-    if path is None:
-        path = BUILTIN_PROFILES / f"{(spec.cost_model or 'builtin:cpu').split(':', 1)[1]}.json"
-    return CostModel.load(path)
+    from engines.real.model_store import resolve_model
+    from workbench.calibration import check_profile, ensure_profile, fingerprint, warn_machine
+
+    model_dir = model_dir or resolve_model(scenario.model)
+    if spec.cost_model == AUTO:
+        cm, path = ensure_profile(scenario.model, model_dir, spec.dtype, echo=echo)
+    else:
+        path = scenario.cost_model_path(spec) or BUILTIN_PROFILES / f"{spec.cost_model.split(':', 1)[1]}.json"
+        cm = CostModel.load(path)
+        where = f"engine {spec.name}: cost_model {spec.cost_model}"
+        warn_machine(where, check_profile(cm, fingerprint(scenario.model, model_dir, spec.dtype), where), cm)
+    return cm, {"path": str(path), "fingerprint": cm.fingerprint, "created": cm.created, "source": cm.source}
 
 
 def _knobs(spec: BuiltEngineSpec) -> dict:
@@ -62,12 +75,12 @@ def catalog_model_name(scenario: Scenario, spec: SimEngineSpec) -> str:
 
 
 def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
-                  model_cfg: ModelConfig | None) -> EngineConfig:
+                  model_cfg: ModelConfig | None, cost_model: CostModel | None = None) -> EngineConfig:
     """What ``engines.factory.build_engine`` builds for a scenario engine of kind paged, static or sim:
     every knob of the spec, so that the factory honours each one or refuses it.
 
     A real engine runs the model in ``model_dir``; a sim engine over a measured cost model (a profile JSON,
-    ``builtin:cpu``) simulates ``model_cfg``; one with ``cost_model: analytic`` simulates the catalogue model
+    ``auto``, ``builtin:NAME``; ``cost_model`` if given, else :func:`load_cost_model`) simulates ``model_cfg``; one with ``cost_model: analytic`` simulates the catalogue model
     :func:`catalog_model_name` names, on ``tp`` x ``hardware``.
 
     Raises:
@@ -91,15 +104,19 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
                             efficiency=spec.efficiency, speculative_model=spec.speculative_model,
                             num_speculative_tokens=spec.num_speculative_tokens,
                             spec_acceptance_rate=spec.spec_acceptance_rate, **sim)
-    return EngineConfig(model=spec.model, model_config=model_cfg, cost_model=load_cost_model(scenario, spec), **sim)
+    cm = cost_model or load_cost_model(scenario, spec, model_dir)[0]
+    return EngineConfig(model=spec.model, model_config=model_cfg, cost_model=cm, step_noise=spec.step_noise, **sim)
 
 
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
-               on_output: Callable | None = None, runtime: dict | None = None):
+               on_output: Callable | None = None, runtime: dict | None = None, cost_model: CostModel | None = None,
+               probe: bool = False):
     """Replay the trace on one engine; returns ``(outputs, steps)``. For a real engine, ``runtime`` (if
     given) gets where it ran: ``device`` (e.g. ``cpu``, ``cuda:0``), ``device_name`` and ``attention``
-    (the kernels picked: ``cpp``, ``torch`` or ``triton``). ``trace.max_concurrency`` (closed-loop users)
-    applies to every kind."""
+    (the kernels picked: ``cpp``, ``torch`` or ``triton``), and with ``probe`` the machine probes timed just
+    before the replay: ``probe: {gemm_gflops, steps}`` (``engines.sim.profiler.gemm_probe``, ``speed_probe``).
+    ``cost_model``: a sim engine's measured cost model (default: :func:`load_cost_model`).
+    ``trace.max_concurrency`` (closed-loop users) applies to every kind."""
     users = scenario.trace.max_concurrency
     if spec.kind == "openai":  # the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
@@ -107,12 +124,16 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
         return replay_openai(spec.base_url, spec.model or scenario.model, trace, api_key=openai_api_key(spec),
                              on_output=on_output, engine_name=spec.name, max_concurrency=users), []
     requests = make_requests(trace, eos)
-    engine = build_engine(engine_config(scenario, spec, model_dir, model_cfg))
+    engine = build_engine(engine_config(scenario, spec, model_dir, model_cfg, cost_model))
     if spec.kind == "sim":
         return replay_simulated(engine, requests, on_output, max_concurrency=users), engine.steps
     if runtime is not None:
         runtime.update(engine_runtime(engine))
     try:
+        if probe and runtime is not None:  # before warm_up: the probe's steps write KV blocks no request holds
+            from engines.sim.profiler import gemm_probe, speed_probe
+
+            runtime["probe"] = {"gemm_gflops": gemm_probe(), "steps": speed_probe(engine.executor)}
         warm_up(engine)
         outs = replay_realtime(engine, requests, on_output, max_concurrency=users)
         return outs, engine.steps
@@ -180,27 +201,52 @@ def add_openai_server_metrics(summary: dict, outs) -> None:
         summary["num_preemptions"] = int(sm["delta"]["vllm:num_preemptions_total"])
 
 
-def add_sim_errors(results: dict) -> None:
-    """Give each sim engine ``sim_error`` against its real counterpart in this run: the real engine named
-    like it without the ``sim-`` prefix (``sim-paged-nocache`` -> ``paged-nocache``) when there is one of
-    the same policy, else the first real engine of the same policy."""
+DRIFT_MARGIN = 0.03  # rescale a sim engine's profile when the machine probes differ from it by more
+
+
+def twin_of(name: str, policy: str, engines: dict) -> str | None:
+    """A sim engine's real counterpart: the real engine named like it without the ``sim-`` prefix
+    (``sim-paged-nocache`` -> ``paged-nocache``) when there is one of the same policy, else the first real
+    engine of the same policy (None: none)."""
+    twin = engines.get(name.removeprefix("sim-"))
+    if twin is not None and twin["kind"] == policy:
+        return name.removeprefix("sim-")
+    return next((n for n, r in engines.items() if r["kind"] == policy), None)
+
+
+def drift(cm: CostModel, probes: list[dict]) -> dict:
+    """``drift`` of a sim engine's profile against the machine probes of this run's real engines:
+    ``speed_ratio`` = geometric mean of measured / predicted over every probe step of every real run; beyond
+    :data:`DRIFT_MARGIN` the profile's predictions are rescaled by it (``rescaled``)."""
+    from engines.sim.profiler import probe_ratio
+
+    ratio = probe_ratio(cm, [p for run in probes for p in run["steps"]])
+    rescaled = ratio is not None and abs(ratio - 1.0) > DRIFT_MARGIN
+    return {"speed_ratio": ratio, "margin": DRIFT_MARGIN, "rescaled": rescaled, "n_probe_runs": len(probes),
+            "probes": [{"gemm_gflops": run["gemm_gflops"],
+                        "steps": [{"features": {k: v for k, v in p["features"].items() if v and k != "const"},
+                                   "seconds": p["seconds"], "predicted": cm.predict_exec(p["features"])}
+                                  for p in run["steps"]]} for run in probes]}
+
+
+def add_sim_errors(results: dict, per_engine: dict, cost_models: dict) -> None:
+    """Give each sim engine ``summary.sim_error`` against its real twin (:func:`twin_of`):
+    ``workbench.fidelity.sim_error``; the step level needs the sim engine's measured cost model (an analytic
+    one simulates another machine: step, request and distribution errors against this one mean nothing, so
+    it gets none)."""
+    from workbench.fidelity import sim_error
+
     engines = results["engines"]
     for name, e in engines.items():
-        if e["kind"] != "sim":
+        if e["kind"] != "sim" or name not in cost_models:
             continue
-        policy = e["config"].get("policy") or "paged"
-        twin = engines.get(name.removeprefix("sim-"))
-        real = name.removeprefix("sim-") if twin is not None and twin["kind"] == policy else None
-        real = real or next((n for n, r in engines.items() if r["kind"] == policy), None)
+        real = twin_of(name, e["config"].get("policy") or "paged", engines)
         if real is None:
             continue
-        s, r = e["summary"], engines[real]["summary"]
-        s["sim_error"] = {
-            "real_engine": real,
-            "output_throughput": relative_error(s["output_throughput"], r["output_throughput"]),
-            "e2el_p50": relative_error(s["e2el_ms"]["p50"], r["e2el_ms"]["p50"]),
-            "e2el_p99": relative_error(s["e2el_ms"]["p99"], r["e2el_ms"]["p99"]),
-        }
+        runs = per_engine[real]
+        e["summary"]["sim_error"] = sim_error(
+            cost_models[name], e["summary"], per_engine[name][0][1], real, engines[real]["summary"],
+            [r[1] for r in runs], [st for r in runs for st in r[2]])
 
 
 def _versions() -> dict:
@@ -248,34 +294,64 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         "versions": _versions(),
         "machine": machine_info(),
         "num_requests": len(trace),
-        "formulas": FORMULAS,
+        "formulas": {**FORMULAS, **FIDELITY_FORMULAS},
         "engines": {},
     }
     if scenario.trace.load is not None:
         trace, results["load"], results["capacity"] = probe_load(scenario, trace, model_dir, model_cfg, eos, echo)
     per_engine: dict[str, list] = {spec.name: [] for spec in scenario.engines}
-    for rep in range(repeat):
-        for spec in scenario.engines:
-            if rep > 0 and spec.kind == "sim":
-                continue
-            cb = progress(spec.name + (f" #{rep + 1}" if repeat > 1 else ""), spec.kind, len(trace)) if progress else None
-            runtime: dict = {}
-            outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime)
-            summary = summarize(outs, steps, len(trace), slo)
-            if spec.policy_name == "paged":  # the trace's reuse under an unlimited cache
-                ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
-                summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
-            if spec.kind == "openai":
-                add_openai_server_metrics(summary, outs)
-            per_engine[spec.name].append((summary, outs, steps, runtime))
+    sims = [spec for spec in scenario.engines if spec.kind == "sim"]
+    measured = {spec.name: load_cost_model(scenario, spec, model_dir, echo) for spec in sims
+                if spec.cost_model != ANALYTIC}
+    if measured:
+        results["profile"] = next(iter(measured.values()))[1]
+
+    def run_one(spec, label, cost_model=None):
+        cb = progress(label, spec.kind, len(trace)) if progress else None
+        runtime: dict = {}
+        outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime, cost_model,
+                                 probe=spec.kind in ("paged", "static"))
+        summary = summarize(outs, steps, len(trace), slo)
+        if spec.policy_name == "paged":  # the trace's reuse under an unlimited cache
+            ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
+            summary["prefix_cache_ideal_hit_rate"] = ideal["hit_rate"]
+        if spec.kind == "openai":
+            add_openai_server_metrics(summary, outs)
+        per_engine[spec.name].append((summary, outs, steps, runtime))
+
+    reals = [spec for spec in scenario.engines if spec.kind != "sim"]
+    for rep in range(repeat):  # real engines first, interleaved, then the simulator against their probes
+        for spec in reals:
+            run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 else ""))
+    probes = [r[3]["probe"] for spec in reals for r in per_engine[spec.name] if "probe" in r[3]]
+    drifts = {}
+    for spec in sims:
+        cm = None
+        if spec.name in measured:
+            cm = measured[spec.name][0]
+            drifts[spec.name] = drift(cm, probes) if probes else None
+            if drifts[spec.name] and drifts[spec.name]["rescaled"]:
+                cm.speed_scale = drifts[spec.name]["speed_ratio"]
+                if echo:
+                    echo(f"{spec.name}: this machine runs the probe steps at {cm.speed_scale:.3f}x the profile's "
+                         f"times (margin {DRIFT_MARGIN:.0%}); predictions rescaled")
+        run_one(spec, spec.name, cm)
     frames = {}
     for spec in scenario.engines:
         runs = per_engine[spec.name]
         summary = runs[0][0] if len(runs) == 1 else mean_summary([r[0] for r in runs])
-        runtime = runs[0][3]
+        if len(runs) > 1:
+            gemm = [r[3]["probe"]["gemm_gflops"] for r in runs if "probe" in r[3]]
+            if gemm:
+                summary["repeats"]["gemm_gflops"] = {"values": gemm, "mean": sum(gemm) / len(gemm),
+                                                     "spread": (max(gemm) - min(gemm)) / (sum(gemm) / len(gemm))}
+        runtime = {k: v for k, v in runs[0][3].items() if k != "probe"}
         cfg = spec.model_dump(mode="json", exclude_none=True)
         results["engines"][spec.name] = {"kind": spec.kind, "config": cfg, "summary": summary,
                                          **({"runtime": runtime} if runtime else {})}
+        if spec.name in measured:
+            results["engines"][spec.name]["profile"] = measured[spec.name][1]
+            results["engines"][spec.name]["drift"] = drifts.get(spec.name)
         edir = out_dir / spec.name
         for i, (_, outs, steps, _) in enumerate(runs):
             rdir = edir if i == 0 else edir / f"repeat-{i + 1}"
@@ -285,7 +361,9 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
             sf.to_csv(rdir / "steps.csv", index=False)
             if i == 0:
                 frames[spec.name] = (rf, sf)
-    add_sim_errors(results)
+    if drifts:
+        results["drift"] = next((d for d in drifts.values() if d), None)
+    add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()})
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if not plots:
         return results

@@ -18,6 +18,7 @@ from engines.core.kv_cache_manager import PagedKVCacheManager
 from engines.core.request import Request, RequestStatus
 from engines.core.scheduler import Scheduler, SchedulerOutput
 from engines.core.static_scheduler import StaticScheduler
+from engines.core.step_shape import StepShape
 
 
 @dataclass
@@ -97,6 +98,24 @@ class StepRecord:
     swap_bytes: int = 0
     swap_time: float = 0.0
     kv_shared_saved: int = 0
+    # the step's shape (engines.core.step_shape.StepShape; num_tokens = every GEMM row), and the seconds the
+    # engine spent on the step outside the executor: scheduling before it, updating requests, sampling
+    # bookkeeping and detokenizing after it (0 on the simulator's virtual clock unless its cost model
+    # charges it)
+    num_tokens: int = 0
+    decode_ctx: int = 0
+    num_prefill_seqs: int = 0
+    prefill_attn: int = 0
+    prefill_ctx: int = 0
+    num_sampled: int = 0
+    overhead: float = 0.0
+
+    @property
+    def shape(self) -> StepShape:
+        """The step's ``StepShape``, rebuilt from the recorded fields."""
+        return StepShape(self.num_tokens, self.num_decode_tokens, self.num_padding_seqs, self.decode_ctx,
+                         self.num_prefill_seqs, self.num_prefill_tokens, self.prefill_attn, self.prefill_ctx,
+                         self.num_sampled)
 
 
 class LLMEngine:
@@ -136,6 +155,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished in it."""
+        t_schedule = self.clock()
         out = self.scheduler.schedule()
         start = self.clock()
         result = self.executor.execute(out)
@@ -171,7 +191,10 @@ class LLMEngine:
             else:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
                 finished.append(req)
-        return self._complete(finished)
+        outputs = self._complete(finished)
+        rec = self.steps[-1]
+        rec.overhead = max(0.0, (self.clock() - t_schedule) - (now - start))
+        return outputs
 
     def _complete(self, finished: list[Request]) -> list[RequestOutput]:
         """Outputs of the requests answered in this step, given those that finished in it. A static
@@ -242,15 +265,16 @@ class LLMEngine:
     def _record(self, out, start: float, duration: float) -> None:
         kv = out.kv_stats
         seqs = out.seqs
+        shape = StepShape.of(seqs)
         self.steps.append(
             StepRecord(
                 step=len(self.steps),
                 start=start,
                 duration=duration,
                 num_seqs=len(seqs),
-                num_prefill_tokens=sum(s.num_tokens for s in seqs if not s.is_padding and not s.is_decode),
-                num_decode_tokens=sum(1 for s in seqs if s.is_decode and not s.is_padding),  # live rows
-                num_padding_seqs=sum(1 for s in seqs if s.is_padding),
+                num_prefill_tokens=shape.prefill_tokens,
+                num_decode_tokens=shape.decode_rows,  # live rows
+                num_padding_seqs=shape.padding_rows,
                 num_running=out.num_running,
                 num_waiting=out.num_waiting,
                 num_preemptions=len(out.preempted_ids),
@@ -260,6 +284,12 @@ class LLMEngine:
                 kv_reserved=kv.reserved,
                 kv_internal_frag=kv.internal_frag,
                 kv_external_frag=kv.external_frag,
+                num_tokens=shape.tokens,
+                decode_ctx=shape.decode_ctx,
+                num_prefill_seqs=shape.prefill_seqs,
+                prefill_attn=shape.prefill_attn,
+                prefill_ctx=shape.prefill_ctx,
+                num_sampled=shape.sampled,
                 **self._memory_fields(out),
             )
         )

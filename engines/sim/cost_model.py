@@ -1,106 +1,141 @@
-"""Step-time cost model for the simulator: predicts a step's duration from its batch (no torch).
+"""Step-time cost model for the simulator: predicts a whole engine step's seconds from its shape (no torch).
 
-A step's time is modelled as a linear function of what it computes (non-negative least squares on
-measured steps)::
+A step's shape is ``engines.core.step_shape.StepShape``. A measured (table) cost model predicts::
 
-    t = c0 + c_tok * tokens + c_ctx * decode_context_tokens + c_pf_attn * prefill_attention_pairs
-          + c_lm * sampled_rows
+    t_exec = B(tokens) + L(sampled) + c_row * (decode_rows + padding_rows) + c_ctx * decode_ctx
+             + c_seq * prefill_seqs + c_attn * prefill_attn + c_pctx * prefill_ctx + c_samp * sampled
+    t_step = t_exec + o_const + o_seq * num_seqs
 
-``tokens`` = prefill + decode tokens (every GEMM row; static padding rows included), ``decode_context_
-tokens`` = sum of the context lengths the decode rows attend to (KV bytes read; a static padding row is a
-decode row at its batch's current length, as in a padded batch), ``prefill_attention_pairs`` = sum over
-prefill chunks of n * (start + n) (query-key pairs, causal work up to a factor 2), ``sampled_rows`` = rows
-that go through the LM head (never a padding row). ``c0`` is the per-step fixed cost (weights read
-once, Python overhead). The same features are what Vidur's execution-time predictor uses for attention
-and MLP operators, folded into one model here.
+* ``B(tokens)``: the model body's GEMMs (every row: prefill tokens, decode and padding rows), embedding,
+  norms, RoPE, K/V writes and building the step's input tensors, as a piecewise-linear function of the token
+  count (knots at the profiled token counts, linear past the last one): CPU GEMM time is far from linear
+  at small batches, where reading the weights dominates.
+* ``L(sampled)``: the LM head (``[rows, hidden] x [hidden, vocab]``), measured on its own per row count.
+* decode attention reads each row's KV (``decode_ctx``) and costs a little per row; prefill attention is run
+  per chunk (``prefill_seqs``), over query x key pairs (``prefill_attn``), and a chunk after cached tokens
+  reads them from the paged cache (``prefill_ctx``); ``sampled`` charges the sampler.
+* ``o_const + o_seq * num_seqs``: the engine's own CPU work around the executor (scheduling, updating
+  requests, detokenizing), measured by running the real scheduler with a null executor.
+
+The knot values of ``B`` and the ``c`` coefficients are fitted together by non-negative least squares on
+relative errors over a grid of real steps (single and multi-prompt prefills, decode batches over rows x
+context, chunks after cached context, mixed steps, static batches with padding rows); see
+``engines.sim.profiler``. This follows Vidur's operator-level predictors (GEMM time by token count,
+attention by KV read and prefill pairs), folded into one model of the whole step.
+
+A linear cost model (``coef`` only, no tables) predicts ``sum(coef[k] * f[k] for k in FEATURES)``; tests and
+hand-written profiles use it.
+
+Step-to-step noise: the profile records ``noise_cv``, the median relative spread of repeated timings of the
+same step; a simulator given a seed multiplies each step by a mean-one lognormal draw of that spread.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engines.core.step_shape import StepShape
+
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
+# linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
+TABLE_FEATURES = ("rows", "decode_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx", "sampled")
 
 
 def step_features(seqs) -> dict[str, float]:
-    """Features of one step from its scheduled sequences (``ScheduledSeq``).
+    """Features of one step from its scheduled sequences (``ScheduledSeq``): the ``StepShape`` fields, plus
+    ``const`` (1) and ``rows`` (decode + padding rows)."""
+    return shape_features(StepShape.of(seqs))
 
-    A static padding row counts as a decode row (``is_decode``): one token, its context length (the batch's
-    current length) in ``decode_ctx``, not sampled. ``prefill_ctx`` = sum over prefill chunks of n * start
-    (query x cached-key pairs: what a chunk after the first, or a chunk after a prefix-cache hit, attends
-    to beyond its own tokens)."""
-    tokens = decode_ctx = prefill_attn = prefill_ctx = sampled = 0
-    for s in seqs:
-        n = s.num_tokens
-        tokens += n
-        if s.is_decode:
-            decode_ctx += s.start_pos + 1
-        else:
-            prefill_attn += n * (s.start_pos + n)
-            prefill_ctx += n * s.start_pos
-        if s.sample and not s.is_padding:
-            sampled += 1
-    return {"const": 1.0, "tokens": tokens, "decode_ctx": decode_ctx, "prefill_attn": prefill_attn,
-            "prefill_ctx": prefill_ctx, "sampled": sampled}
+
+def shape_features(shape: StepShape) -> dict[str, float]:
+    """A ``StepShape`` as cost-model features (see :func:`step_features`)."""
+    f = {k: float(v) for k, v in shape.as_dict().items()}
+    f["const"] = 1.0
+    f["rows"] = float(shape.decode_rows + shape.padding_rows)
+    return f
 
 
 @dataclass
 class CostModel:
-    """Coefficients in seconds per unit of each feature.
+    """A step-time model; seconds per unit of each feature.
 
     Attributes:
         coef: feature name -> seconds per unit (``const`` in seconds per step).
-        source: where the coefficients came from (profile file, machine).
-        fit_error: held-out error figures from ``workbench profile`` (mean/max relative error).
+        source: where the coefficients came from (command, machine).
+        fit_error: error figures of the fit (relative errors on fitted and held-out steps).
+        body_table: ``[[tokens, seconds], ...]``: the fitted knots of ``B``.
+        lm_table: ``[[rows, seconds], ...]``: the LM head's measured time.
+        overhead: ``{"const": s, "per_seq": s}``: the engine's CPU work per step outside the executor.
+        noise_cv: relative step-to-step spread of identical steps (0: none).
+        fingerprint: what the profile measured (machine, threads, torch, model, dtype, kernels); see
+            ``engines.sim.calibration``.
+        created: ISO time the profile was measured.
+        speed_scale: multiplies every prediction (a drift correction; 1.0 as measured).
     """
 
     coef: dict[str, float]
     source: str = ""
-    fit_error: dict[str, float] = field(default_factory=dict)
+    fit_error: dict = field(default_factory=dict)
     body_table: list[list[float]] = field(default_factory=list)
     lm_table: list[list[float]] = field(default_factory=list)
+    overhead: dict[str, float] = field(default_factory=dict)
+    noise_cv: float = 0.0
+    fingerprint: dict = field(default_factory=dict)
+    created: str = ""
+    speed_scale: float = 1.0
+
+    def predict_exec(self, f: dict[str, float]) -> float:
+        """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""
+        if self.body_table:
+            t = _interp(self.body_table, f["tokens"]) + _interp(self.lm_table, f.get("sampled", 0.0))
+            t += sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in TABLE_FEATURES)
+        else:
+            t = sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in FEATURES)
+        return max(0.0, t) * self.speed_scale
+
+    def predict_overhead(self, num_seqs: int) -> float:
+        """Seconds of the engine's own work around a step of ``num_seqs`` sequences (0 with no overhead model)."""
+        if not self.overhead:
+            return 0.0
+        return (self.overhead.get("const", 0.0) + self.overhead.get("per_seq", 0.0) * num_seqs) * self.speed_scale
 
     def predict_features(self, f: dict[str, float]) -> float:
-        """Seconds for a step with features ``f``. With measured tables, the model body's time is
-        interpolated over the step's token count (CPU GEMM time is far from linear at small batch
-        sizes; the table's prefill chunks include their own causal attention) and the LM head's over
-        sampled rows; the linear terms then add attention over cached context: decode rows'
-        (``decode_ctx``) and prefill chunks' that start after cached tokens (``prefill_ctx``)."""
-        if self.body_table:
-            t = _interp(self.body_table, f["tokens"]) + _interp(self.lm_table, f["sampled"])
-            return max(0.0, t + sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in ("decode_ctx", "prefill_ctx")))
-        return max(0.0, sum(self.coef.get(k, 0.0) * f[k] for k in FEATURES))
+        """Seconds of a whole step with features ``f``: executor plus the engine's overhead."""
+        return self.predict_exec(f) + self.predict_overhead(int(f.get("rows", 0) + f.get("prefill_seqs", 0)))
 
     def predict(self, seqs) -> float:
-        """Predicted duration (s) of a step that runs ``seqs``."""
-        return self.predict_features(step_features(seqs)) if seqs else 0.0
+        """Predicted duration (s) of the executor for a step that runs ``seqs`` (0 for none)."""
+        return self.predict_exec(step_features(seqs)) if seqs else 0.0
+
+    def noise(self, seed: int | None) -> "StepNoise | None":
+        """A seeded step-noise source of this model's ``noise_cv`` (None without a seed or a spread)."""
+        return StepNoise(self.noise_cv, seed) if seed is not None and self.noise_cv > 0 else None
 
     @classmethod
     def fit(cls, rows: list[tuple[dict[str, float], float]], source: str = "") -> "CostModel":
-        """Non-negative least-squares fit of measured ``(features, seconds)`` rows: the coefficients c >= 0
-        that minimise sum(((features . c - seconds) / seconds) ** 2) (relative errors, so that small steps
-        matter as much as big ones), solved by ``scipy.optimize.nnls`` (Lawson-Hanson active set) on
-        columns scaled to a maximum of 1.
+        """Non-negative least-squares fit of a linear model on measured ``(features, seconds)`` rows: the
+        coefficients c >= 0 that minimise sum(((features . c - seconds) / seconds) ** 2) (relative errors, so
+        that small steps matter as much as big ones), solved by ``scipy.optimize.nnls`` (Lawson-Hanson active
+        set) on columns scaled to a maximum of 1.
 
         Raises:
             ValueError: fewer rows than features.
         """
         import numpy as np
-        from scipy.optimize import nnls
 
         if len(rows) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} measured steps to fit, got {len(rows)}")
         x = np.array([[f[k] for k in FEATURES] for f, _ in rows], dtype=float)
         y = np.array([t for _, t in rows], dtype=float)
-        w = 1.0 / np.maximum(y, 1e-6)
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
-        sol, _ = nnls((x / scale) * w[:, None], y * w)
-        return cls({k: float(c / s) for k, c, s in zip(FEATURES, sol, scale)}, source)
+        sol = relative_nnls(x, y)
+        return cls({k: float(c) for k, c in zip(FEATURES, sol)}, source)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2))
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
@@ -114,26 +149,60 @@ class CostModel:
             d = json.loads(p.read_text())
             return cls(coef={k: float(v) for k, v in d["coef"].items()}, source=d.get("source", str(p)),
                        fit_error=d.get("fit_error", {}), body_table=d.get("body_table", []),
-                       lm_table=d.get("lm_table", []))
+                       lm_table=d.get("lm_table", []), overhead=d.get("overhead", {}),
+                       noise_cv=float(d.get("noise_cv", 0.0)), fingerprint=d.get("fingerprint", {}),
+                       created=d.get("created", ""))
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{p}: not a cost-model profile ({e})") from None
 
 
-def _interp(table: list[list[float]], x: float) -> float:
-    """Piecewise-linear interpolation over ``[[x, y], ...]`` (sorted by x); linear extrapolation past
-    the last point, 0 for x <= 0."""
-    if x <= 0 or not table:
-        return 0.0
+class StepNoise:
+    """Mean-one lognormal multipliers of relative spread ``cv`` (sigma = sqrt(log(1 + cv^2))), seeded."""
+
+    def __init__(self, cv: float, seed: int) -> None:
+        self.sigma = math.sqrt(math.log1p(cv * cv))
+        self.rng = random.Random(seed)
+
+    def __call__(self) -> float:
+        s = self.sigma
+        return math.exp(self.rng.gauss(-0.5 * s * s, s))
+
+
+def relative_nnls(x, y):
+    """``argmin_{c >= 0} sum(((x @ c - y) / y) ** 2)`` (``scipy.optimize.nnls`` on columns scaled to a maximum
+    of 1); ``x`` is ``[rows, features]``, ``y`` ``[rows]`` seconds. Returns the coefficients."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    w = 1.0 / np.maximum(y, 1e-6)
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    sol, _ = nnls((x / scale) * w[:, None], y * w)
+    return sol / scale
+
+
+def hat_weights(knots: list[float], x: float) -> list[float]:
+    """Weights of piecewise-linear interpolation at ``x`` over ``knots`` (sorted): ``B(x) = sum w_k B(k)``;
+    ``x`` below the first knot scales the first knot's value (``B(0) = 0``), past the last one extrapolates the
+    last segment."""
+    w = [0.0] * len(knots)
+    if x <= 0 or not knots:
+        return w
+    if x <= knots[0] or len(knots) == 1:
+        w[0] = x / knots[0]
+        return w
     import bisect
 
-    xs = [p[0] for p in table]
-    i = bisect.bisect_left(xs, x)
-    if i < len(xs) and xs[i] == x:
-        return table[i][1]
-    if i == 0:
-        return table[0][1] * x / xs[0]
-    if i == len(xs):
-        (x0, y0), (x1, y1) = table[-2] if len(table) > 1 else (0, 0), table[-1]
-    else:
-        (x0, y0), (x1, y1) = table[i - 1], table[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    i = min(bisect.bisect_left(knots, x), len(knots) - 1)
+    lo, hi = knots[i - 1], knots[i]
+    a = (x - lo) / (hi - lo)
+    w[i - 1], w[i] = 1.0 - a, a
+    return w
+
+
+def _interp(table: list[list[float]], x: float) -> float:
+    """Piecewise-linear interpolation over ``[[x, y], ...]`` (sorted by x), as :func:`hat_weights`."""
+    if not table:
+        return 0.0
+    w = hat_weights([p[0] for p in table], x)
+    return sum(wi * p[1] for wi, p in zip(w, table))

@@ -1,46 +1,96 @@
-"""Measure real step times over a grid of batches and fit the simulator's cost model.
+"""Measure real steps over a grid of batch shapes and fit the simulator's cost model (``engines.sim.cost_model``).
 
-Each grid point is a synthetic ``SchedulerOutput`` (decode rows at a context length, a prefill chunk,
-or both) run through the real ``ModelExecutor``; the median of ``repeats`` timed runs (after one
-warm-up) is recorded with the step's features (``engines.sim.cost_model.step_features``).
+Each grid point is a synthetic ``SchedulerOutput`` of the shapes the engines produce (single and
+multi-prompt prefills, chunks after cached context, decode batches over rows x context, mixed
+prefill + decode steps, static batches with padding rows) run through the real ``ModelExecutor``: one
+untimed warm-up, then ``repeats`` timed runs, of which the median is kept and the relative spread recorded.
+The LM head is timed on its own per row count, and the engine's CPU work around the executor (scheduling,
+updates) by running the real paged scheduler with a null executor.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from engines.core.sampling_params import SamplingParams
-from engines.core.scheduler import ScheduledSeq, SchedulerOutput
-from engines.sim.cost_model import CostModel, step_features
+from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
+from engines.core.static_scheduler import PAD_BLOCK
+from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, relative_nnls, step_features
 
-DEFAULT_GRID = {
-    "decode": [(b, c) for b in (1, 4, 16, 32, 64) for c in (64, 256, 768)],
-    "prefill": [16, 64, 256, 512, 1024],
-    "mixed": [(16, 128, 256), (32, 256, 128), (8, 512, 512)],  # (decode rows, their context, prefill tokens)
-}
-QUICK_GRID = {
-    "decode": [(b, c) for b in (1, 8, 32) for c in (64, 512)],
-    "prefill": [32, 256],
-    "mixed": [(8, 128, 128)],
-}
+
+@dataclass(frozen=True)
+class GridStep:
+    """One profiled step: ``decode_rows`` live decode rows and ``padding_rows`` static padding rows at
+    context ``ctx`` (tokens), plus prefill chunks ``(tokens, cached tokens before it)``."""
+
+    decode_rows: int = 0
+    ctx: int = 0
+    prefills: tuple[tuple[int, int], ...] = ()
+    padding_rows: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return (self.decode_rows + self.padding_rows) * self.ctx + sum(n + s for n, s in self.prefills)
+
+
+def _grid(prefill_sizes, multi, cached, decode_rows, decode_ctx, mixed, padded) -> list[GridStep]:
+    g = [GridStep(prefills=((n, 0),)) for n in prefill_sizes]
+    g += [GridStep(prefills=((n, 0),) * k) for k, n in multi]
+    g += [GridStep(prefills=((n, s),)) for n, s in cached]
+    g += [GridStep(r, c) for r in decode_rows for c in decode_ctx if r * c <= 40960]  # fits the profiling pool
+    g += [GridStep(r, c, tuple(p)) for r, c, p in mixed]
+    g += [GridStep(r, c, (), p) for r, p, c in padded]
+    return g
+
+
+FULL_GRID = _grid(
+    prefill_sizes=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048),
+    multi=((4, 16), (8, 32), (16, 64), (4, 128), (8, 128), (3, 384), (2, 512), (4, 512)),
+    cached=((32, 1024), (128, 512), (256, 1024), (512, 512), (64, 256), (1024, 1024)),
+    decode_rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+    decode_ctx=(48, 320, 1024),
+    mixed=((8, 256, [(128, 0)]), (32, 384, [(256, 0)]), (16, 512, [(512, 0)]), (4, 128, [(896, 0)]),
+           (48, 256, [(64, 0)]), (16, 256, [(256, 512)]), (24, 200, [(32, 0), (32, 0)]),
+           (64, 300, [(128, 0), (64, 0)])),
+    padded=((8, 24, 256), (1, 31, 128), (32, 32, 400), (4, 4, 64), (16, 16, 160)),
+)
+QUICK_GRID = _grid(
+    prefill_sizes=(8, 32, 128, 512, 1024),
+    multi=((4, 32), (4, 128)),
+    cached=((64, 512), (256, 256)),
+    decode_rows=(1, 4, 16, 32, 64),
+    decode_ctx=(64, 512),
+    mixed=((8, 256, [(128, 0)]), (32, 256, [(256, 0)])),
+    padded=((8, 24, 256),),
+)
+KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 1536, 2048)
+LM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call."""
+    return timed(fn, repeats)[0]
+
+
+def timed(fn: Callable[[], object], repeats: int = 3) -> tuple[float, float]:
+    """``(median seconds, relative spread)`` of ``repeats`` calls of ``fn`` after one untimed warm-up call;
+    spread = standard deviation / mean (0 for one repeat)."""
     fn()
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    cv = statistics.stdev(ts) / statistics.fmean(ts) if len(ts) > 1 else 0.0
+    return statistics.median(ts), cv
 
 
-def _batch(decode_rows: int, ctx: int, prefill: int, block_size: int, num_blocks: int,
-           prefill_start: int = 0) -> SchedulerOutput:
+def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOutput:
+    """The ``SchedulerOutput`` of ``step``: every sequence on its own blocks (taken round-robin from the pool),
+    decode rows and prefill chunks sampled, padding rows on ``PAD_BLOCK`` (the executor's scratch block)."""
     sp = SamplingParams(max_tokens=1, temperature=0)
     seqs, nxt = [], 0
 
@@ -51,79 +101,138 @@ def _batch(decode_rows: int, ctx: int, prefill: int, block_size: int, num_blocks
         nxt += nb
         return ids
 
-    for i in range(decode_rows):
-        seqs.append(ScheduledSeq(f"d{i}", [100], ctx - 1, blocks(ctx), True, sp))
-    if prefill:
-        seqs.append(ScheduledSeq("p", [100 + (j % 1000) for j in range(prefill)], prefill_start,
-                                 blocks(prefill_start + prefill), True, sp))
+    for i in range(step.decode_rows):
+        seqs.append(ScheduledSeq(f"d{i}", [100 + i], step.ctx - 1, blocks(step.ctx), True, sp))
+    for i in range(step.padding_rows):
+        seqs.append(ScheduledSeq(f"pad{i}", [0], step.ctx - 1, [PAD_BLOCK] * -(-step.ctx // block_size), False, sp,
+                                 is_padding=True))
+    for j, (n, start) in enumerate(step.prefills):
+        seqs.append(ScheduledSeq(f"p{j}", [100 + ((j * 7 + k) % 1000) for k in range(n)], start,
+                                 blocks(start + n), True, sp))
     return SchedulerOutput(seqs)
 
 
-def profile_steps(executor, grid: dict | None = None, repeats: int = 3,
-                  progress: Callable[[int, int], None] | None = None) -> list[tuple[dict, float]]:
-    """Time ``executor`` on every grid point; returns ``(features, median seconds)`` rows.
+def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
+                 progress: Callable[[], None] | None = None) -> list[tuple[dict, float, float]]:
+    """Time ``executor`` on every grid step; returns ``(features, median seconds, relative spread)`` rows.
 
     Raises:
-        ValueError: the KV pool is too small for the largest grid point.
+        ValueError: the KV pool is too small for the largest grid step.
     """
-    grid = grid or DEFAULT_GRID
     bs, nb = executor.kv.block_size, executor.kv.num_blocks
-    points = [(b, c, 0) for b, c in grid["decode"]] + [(0, 0, p) for p in grid["prefill"]] + list(grid["mixed"])
-    need = max(-(-c // bs) * b + -(-p // bs) for b, c, p in points)
+    need = max(-(-s.kv_tokens // bs) + len(s.prefills) + s.decode_rows for s in grid)
     if need > nb:
         raise ValueError(f"profile grid needs {need} KV blocks, the pool has {nb}")
     rows = []
-    for i, (b, c, p) in enumerate(points):
-        out = _batch(b, c, p, bs, nb)
-        executor.execute(out)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            executor.execute(out)
-            times.append(time.perf_counter() - t0)
-        rows.append((step_features(out.seqs), statistics.median(times)))
+    for step in grid:
+        out = grid_batch(step, bs, nb)
+        t, cv = timed(lambda: executor.execute(out), repeats)
+        rows.append((step_features(out.seqs), t, cv))
         if progress:
-            progress(i + 1, len(points))
+            progress()
     return rows
 
 
-def fit_with_holdout(rows: list[tuple[dict, float]], holdout_frac: float = 0.25, seed: int = 0,
-                     source: str = "") -> CostModel:
-    """Fit on a random ``1 - holdout_frac`` of the rows, report relative error on the rest, then refit
-    on all rows. ``fit_error`` holds ``holdout_mean_abs_rel``, ``holdout_max_abs_rel`` and ``n_holdout``."""
-    idx = list(range(len(rows)))
-    random.Random(seed).shuffle(idx)
-    k = max(1, int(len(rows) * holdout_frac))
-    held, train = [rows[i] for i in idx[:k]], [rows[i] for i in idx[k:]]
-    model = CostModel.fit(train, source)
-    errs = [abs(model.predict_features(f) - t) / t for f, t in held if t > 0]
-    final = CostModel.fit(rows, source)
-    final.fit_error = {"holdout_mean_abs_rel": sum(errs) / len(errs) if errs else 0.0,
-                       "holdout_max_abs_rel": max(errs) if errs else 0.0, "n_holdout": len(held),
-                       "n_points": len(rows)}
-    return final
-
-
-BODY_TOKENS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
-CTX_POINTS = [(4, 512), (8, 768), (16, 512), (32, 384), (64, 256), (64, 512), (8, 1536), (16, 1024), (32, 1024)]
-# (chunk tokens, cached tokens before it): later chunks of a chunked prefill, prefills after a prefix hit
-PREFILL_CTX_POINTS = [(32, 1024), (64, 512), (128, 1024), (256, 256), (256, 768), (512, 1024)]
-
-
-def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], None] | None = None,
-                   body_tokens: list[int] | None = None, ctx_points: list[tuple[int, int]] | None = None) -> CostModel:
-    """Measure the model body's time per token count (one prefill chunk, no cached context), the LM
-    head's per sampled rows, then fit the seconds per decode-context token on decode batches with long
-    contexts and the seconds per query x cached-key pair on prefill chunks that start after cached
-    tokens (each a least-squares fit of the residual after the tables). Returns a table-based ``CostModel``; ``fit_error`` is its
-    relative error on the decode batches and on mixed batches it was not fitted on."""
+def lm_head_table(model, repeats: int = 3, rows: tuple[int, ...] = LM_ROWS,
+                  progress: Callable[[], None] | None = None) -> list[list[float]]:
+    """``[[rows, seconds], ...]`` of the LM head (``model.compute_logits``) alone."""
     import torch
 
-    body_tokens = body_tokens or BODY_TOKENS
-    ctx_points = ctx_points or CTX_POINTS
-    bs, nb = executor.kv.block_size, executor.kv.num_blocks
-    model = executor.model
-    total = len(body_tokens) * 2 + len(ctx_points) + len(PREFILL_CTX_POINTS) + len(DEFAULT_GRID["mixed"])
+    hidden = torch.randn(max(rows), model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+    table = []
+    for m in rows:
+        table.append([m, median_time(lambda: model.compute_logits(hidden[:m]), repeats)])
+        if progress:
+            progress()
+    return table
+
+
+class _NullExecutor:
+    """An executor that computes nothing: samples token 100 for every row (the engine's overhead alone)."""
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        sampled = {}
+        for s in out.seqs:
+            if s.sample and not s.is_padding:
+                sampled[s.request_id] = 100
+                sampled.update((c, 100) for c in s.fork_ids)
+        return StepResult(sampled, 0.0)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def engine_overhead(num_requests: int = 64, prompt_tokens: int = 48, output_tokens: int = 48) -> dict[str, float]:
+    """Seconds of the engine's own work per step outside the executor (scheduling, request updates, step
+    records): the real paged scheduler and ``LLMEngine`` over a null executor, ``num_requests`` requests at
+    once, fitted as ``const + per_seq * num_seqs`` (least squares, both >= 0) over the run's steps."""
+    import numpy as np
+
+    from engines.core.config import SchedulerConfig
+    from engines.core.kv_cache_manager import PagedKVCacheManager
+    from engines.core.llm_engine import LLMEngine
+    from engines.core.paged_scheduler import PagedScheduler
+    from engines.core.request import Request
+
+    kv = PagedKVCacheManager(num_requests * -(-(prompt_tokens + output_tokens) // 16) + 8, 16, enable_caching=True)
+    engine = LLMEngine(PagedScheduler(SchedulerConfig(max_num_seqs=num_requests), kv), _NullExecutor())
+    sp = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(Request(f"r{i}", [100 + (i * 31 + k) % 1000 for k in range(prompt_tokens)], sp,
+                                   arrival_time=0.0))
+    engine.run_to_completion()
+    x = np.array([[1.0, s.num_seqs] for s in engine.steps if s.num_seqs])
+    y = np.array([s.overhead for s in engine.steps if s.num_seqs])
+    sol = relative_nnls(x, y)
+    return {"const": float(sol[0]), "per_seq": float(sol[1])}
+
+
+def fit_table_model(rows: list[tuple[dict, float]], lm_table: list[list[float]],
+                    knots: tuple[int, ...] = KNOTS) -> CostModel:
+    """Fit ``B``'s knot values and the linear terms (``TABLE_FEATURES``) of a table cost model on measured
+    ``(features, seconds)`` rows, after subtracting the measured LM head time: relative-error NNLS.
+    Knots past the largest measured token count are dropped (``B`` extrapolates its last segment)."""
+    import numpy as np
+
+    top = max(f["tokens"] for f, _ in rows)
+    ks = [k for k in knots if k <= top] or [top]
+    if ks[-1] < top:
+        ks.append(top)
+    lm = CostModel({}, lm_table=lm_table, body_table=[[1, 0.0]])
+    x, y = [], []
+    for f, t in rows:
+        x.append(hat_weights(ks, f["tokens"]) + [f.get(k, 0.0) for k in TABLE_FEATURES])
+        y.append(max(t - _lm(lm, f), 0.05 * t))
+    sol = relative_nnls(np.array(x), np.array(y))
+    body = [[float(k), float(v)] for k, v in zip(ks, sol[: len(ks)])]
+    coef = {k: float(v) for k, v in zip(TABLE_FEATURES, sol[len(ks):])}
+    return CostModel(coef, body_table=body, lm_table=lm_table)
+
+
+def _lm(lm: CostModel, f: dict) -> float:
+    from engines.sim.cost_model import _interp
+
+    return _interp(lm.lm_table, f.get("sampled", 0.0))
+
+
+def relative_errors(cm: CostModel, rows) -> list[float]:
+    """Signed relative errors (predicted - measured) / measured of ``cm``'s executor time on ``rows``."""
+    return [(cm.predict_exec(r[0]) - r[1]) / r[1] for r in rows if r[1] > 0]
+
+
+def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, holdout_every: int = 5,
+            progress: Callable[[int, int], None] | None = None) -> CostModel:
+    """Measure and fit a table cost model of ``executor`` on ``grid`` (default ``FULL_GRID``).
+
+    Every ``holdout_every``-th grid step is held out of a first fit and its error reported
+    (``fit_error.holdout_*``); the returned model is refitted on every step. ``fit_error`` also has the fit's
+    own errors, ``noise_cv`` the median relative spread of the repeats, ``overhead`` the engine's CPU work.
+
+    Raises:
+        ValueError: the KV pool is too small for the grid.
+    """
+    grid = list(grid or FULL_GRID)
+    total = len(grid) + len(LM_ROWS) + 1
     done = 0
 
     def tick():
@@ -132,45 +241,62 @@ def profile_tables(executor, repeats: int = 3, progress: Callable[[int, int], No
         if progress:
             progress(done, total)
 
-    def timed(fn):
-        return median_time(fn, repeats)
-
-    lm, body = [], []
-    hidden = torch.randn(max(body_tokens), model.cfg.hidden_size, dtype=model.dtype)
-    for m in body_tokens:
-        lm.append([m, timed(lambda: model.compute_logits(hidden[:m]))])
-        tick()
-    lm_of = dict((int(a), b) for a, b in lm)
-    for m in body_tokens:
-        out = _batch(0, 0, m, bs, nb)
-        body.append([m, max(0.0, timed(lambda: executor.execute(out)) - lm_of[1])])
-        tick()
-    cm = CostModel({k: 0.0 for k in ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")},
-                   body_table=body, lm_table=lm)
-    rows = []
-    for b, c in ctx_points:
-        out = _batch(b, c, 0, bs, nb)
-        rows.append((step_features(out.seqs), timed(lambda: executor.execute(out))))
-        tick()
-    num = sum((t - cm.predict_features(f)) * f["decode_ctx"] for f, t in rows)
-    den = sum(f["decode_ctx"] ** 2 for f, t in rows)
-    cm.coef["decode_ctx"] = max(0.0, num / den) if den else 0.0
-    prows = []
-    for p, start in PREFILL_CTX_POINTS:
-        out = _batch(0, 0, p, bs, nb, prefill_start=start)
-        prows.append((step_features(out.seqs), timed(lambda: executor.execute(out))))
-        tick()
-    num = sum((t - cm.predict_features(f)) * f["prefill_ctx"] for f, t in prows)
-    den = sum(f["prefill_ctx"] ** 2 for f, t in prows)
-    cm.coef["prefill_ctx"] = max(0.0, num / den) if den else 0.0
-    rows += prows
-    held = []
-    for b, c, p in DEFAULT_GRID["mixed"]:
-        out = _batch(b, c, p, bs, nb)
-        held.append((step_features(out.seqs), timed(lambda: executor.execute(out))))
-        tick()
-    fit_errs = [abs(cm.predict_features(f) - t) / t for f, t in rows]
-    held_errs = [abs(cm.predict_features(f) - t) / t for f, t in held]
-    cm.fit_error = {"fit_mean_abs_rel": sum(fit_errs) / len(fit_errs), "holdout_mean_abs_rel": sum(held_errs) / len(held_errs),
-                    "holdout_max_abs_rel": max(held_errs), "n_holdout": len(held), "n_points": total}
+    lm_table = lm_head_table(executor.model, repeats, progress=tick)
+    rows = profile_rows(executor, grid, repeats, progress=tick)
+    overhead = engine_overhead()
+    tick()
+    held = [r for i, r in enumerate(rows) if i % holdout_every == holdout_every - 1]
+    train = [r for i, r in enumerate(rows) if i % holdout_every != holdout_every - 1]
+    held_errs = [abs(e) for e in relative_errors(fit_table_model([r[:2] for r in train], lm_table), held)]
+    cm = fit_table_model([r[:2] for r in rows], lm_table)
+    fit_errs = [abs(e) for e in relative_errors(cm, rows)]
+    cm.overhead = overhead
+    cm.noise_cv = statistics.median(r[2] for r in rows)
+    cm.fit_error = {"fit_mean_abs_rel": statistics.fmean(fit_errs), "fit_max_abs_rel": max(fit_errs),
+                    "holdout_mean_abs_rel": statistics.fmean(held_errs), "holdout_max_abs_rel": max(held_errs),
+                    "n_holdout": len(held), "n_points": len(rows), "repeats": repeats}
+    cm.fit_error["points"] = [{"features": {k: v for k, v in f.items() if v and k != "const"}, "seconds": t,
+                               "spread": cv, "predicted": cm.predict_exec(f)} for f, t, cv in rows]
     return cm
+
+
+# fixed probe steps timed before each real engine run (machine drift against the profile); a few seconds
+PROBE_GRID = (GridStep(1, 64), GridStep(16, 256), GridStep(64, 256), GridStep(prefills=((256, 0),)),
+              GridStep(8, 256, ((128, 0),)))
+
+
+def speed_probe(executor, repeats: int = 3) -> list[dict]:
+    """Time ``PROBE_GRID`` on ``executor``: ``[{"features", "seconds"}]`` (median of ``repeats`` after a
+    warm-up). Uses the pool's first blocks: run it before the engine holds any."""
+    bs, nb = executor.kv.block_size, executor.kv.num_blocks
+    out = []
+    for step in PROBE_GRID:
+        if -(-step.kv_tokens // bs) + 4 > nb:
+            continue
+        batch = grid_batch(step, bs, nb)
+        out.append({"features": step_features(batch.seqs), "seconds": median_time(lambda: executor.execute(batch), repeats)})
+    return out
+
+
+def probe_ratio(cost_model: CostModel, probes: list[dict]) -> float | None:
+    """Geometric mean over probe steps of measured / predicted executor seconds (None without probes)."""
+    import math
+
+    logs = [math.log(p["seconds"] / cost_model.predict_exec(p["features"])) for p in probes
+            if p["seconds"] > 0 and cost_model.predict_exec(p["features"]) > 0]
+    return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def gemm_probe(rows: int = 64, repeats: int = 5) -> float:
+    """GFLOP/s of a ``[rows, 576] x [576, 1536]`` float32 GEMM (SmolLM2-135M's MLP shape): the machine's own
+    speed, apart from the engine's."""
+    import torch
+
+    a, b = torch.randn(rows, 576), torch.randn(576, 1536)
+
+    def run():
+        for _ in range(20):
+            torch.mm(a, b)
+
+    t = median_time(run, repeats)
+    return 2.0 * rows * 576 * 1536 * 20 / t / 1e9

@@ -51,7 +51,9 @@ class CostModelExecutor:
 
     Only the tokens a step computes are charged: a prefix-cache hit shortens the scheduled chunk
     (``ScheduledSeq.token_ids``), so the cost model sees fewer tokens, while attention to the cached prefix
-    is still charged through ``start_pos``. Swapped blocks cost ``bytes / swap_bandwidth_bytes_per_s``.
+    is still charged through ``start_pos``. Swapped blocks cost ``bytes / swap_bandwidth_bytes_per_s``. A step
+    lasts the cost model's executor time (times a seeded noise draw when the model has a measured spread) plus
+    its prediction of the engine's own per-step work (``CostModel.predict_overhead``).
 
     Args:
         cost_model: predicts step seconds from the scheduled batch.
@@ -59,18 +61,27 @@ class CostModelExecutor:
         block_bytes: bytes of one KV block over all layers (K and V), for swap traffic.
         swap_bandwidth_bytes_per_s: host-device copy bandwidth charged for swaps (default 32e9,
             PCIe 4.0 x16 one direction).
+        seed: seeds the step-noise draws (None: no noise).
     """
 
     def __init__(self, cost_model: CostModel, clock: VirtualClock, block_bytes: int = 0,
-                 swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH) -> None:
+                 swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH, seed: int | None = None) -> None:
         self.cost_model, self.clock = cost_model, clock
         self.block_bytes = block_bytes
         self.swap_bandwidth = swap_bandwidth_bytes_per_s
+        noise = getattr(cost_model, "noise", None)
+        self.noise = noise(seed) if noise is not None else None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         swap_time = n_swap * self.block_bytes / self.swap_bandwidth if n_swap else 0.0
-        dt = self.cost_model.predict(out.seqs) + swap_time
+        dt = self.cost_model.predict(out.seqs)
+        if out.seqs:
+            if self.noise is not None:
+                dt *= self.noise()
+            overhead = getattr(self.cost_model, "predict_overhead", None)
+            dt += overhead(len(out.seqs)) if overhead is not None else 0.0
+        dt += swap_time
         self.clock.now += dt
         sampled, beams = {}, {}
         for s in out.seqs:
@@ -109,7 +120,7 @@ class StepEndEvent(Event):
 
 
 def make_sim_engine(scheduler: Scheduler, cost_model: CostModel, block_bytes: int = 0,
-                    swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH) -> LLMEngine:
+                    swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH, seed: int | None = None) -> LLMEngine:
     """An ``LLMEngine`` over ``scheduler`` whose executor is the cost model on a virtual clock (the
     simulator's executor and clock around any policy; ``engines.factory.build_engine`` builds whole sim
     engines, policy included, from an engine description)."""

@@ -57,7 +57,7 @@ def print_summary(name: str, results: dict) -> None:
     errors against their real engines."""
     from rich.table import Table
 
-    from workbench.report import load_lines, sim_error_rows, summary_rows
+    from workbench.report import load_lines, summary_rows
 
     table = Table(title=f"{name}: {results['num_requests']} requests")
     headers, rows = summary_rows(results)
@@ -69,11 +69,18 @@ def print_summary(name: str, results: dict) -> None:
     table_console().print(table)
     for line in load_lines(results):
         print(line)
-    _, sim_rows = sim_error_rows(results)
-    for r in sim_rows:
-        print(f"sim {r[0]} vs {r[1]}: output throughput {r[2]}, E2EL p50 {r[3]}, p99 {r[4]}")
-    if any(abs(v) > SIM_ERROR_NOTE for e in results["engines"].values()
-           for k, v in (e["summary"].get("sim_error") or {}).items() if k != "real_engine" and v is not None):
-        print(f"note: a simulator is more than {SIM_ERROR_NOTE:.0%} off its real engine. Its cost model was fitted on another "
-              "machine (builtin:cpu) or at another speed; refit it here with `workbench profile --out p.json` "
-              "and set the sim engines' cost_model: p.json")
+    from workbench.fidelity import summary_line
+
+    for n, e in results["engines"].items():
+        err = e["summary"].get("sim_error")
+        if err:
+            print(f"sim {n} {summary_line(err)}")
+        d = e.get("drift")
+        if d and d.get("speed_ratio") is not None:
+            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x the profile's times"
+                  + (" (rescaled)" if d["rescaled"] else f" (within {d['margin']:.0%}: not rescaled)"))
+    errs = [abs(v) for e in results["engines"].values() for v in
+            [((e["summary"].get("sim_error") or {}).get("dist") or {}).get("output_throughput")] if v is not None]
+    if any(v > SIM_ERROR_NOTE for v in errs):
+        print(f"note: a simulator's output throughput is more than {SIM_ERROR_NOTE:.0%} off its real engine; "
+              "if it names a profile of another machine, use cost_model: auto (this machine's profile)")

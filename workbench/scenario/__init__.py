@@ -14,7 +14,7 @@ A scenario YAML looks like::
     engines:
       - {name: paged, kind: paged, kv_cache_tokens: 16384}
       - {name: static, kind: static, reservation: max, max_batch_size: 16}
-      - {name: sim-paged, kind: sim, policy: paged, cost_model: builtin:cpu}
+      - {name: sim-paged, kind: sim, policy: paged, cost_model: auto}
     slo: {ttft_ms: 2000, tpot_ms: 200}
 
 :func:`load_scenario` validates it (unknown fields are errors, so typos are caught; so is a knob an
@@ -29,7 +29,7 @@ from ``workbench.scenario``.
 """
 
 from workbench.scenario.common import BUILTIN_PREFIX, ScenarioError, builtin_traces, resolve_path
-from workbench.scenario.engine_spec import (ANALYTIC, BUILTIN_COST_MODELS, ENGINE_KINDS, ENGINE_MODELS, POLICIES,
+from workbench.scenario.engine_spec import (ANALYTIC, AUTO, BUILTIN_COST_MODELS, ENGINE_KINDS, ENGINE_MODELS, POLICIES,
                                             POLICY_KNOBS, POOL_KNOBS, REAL_KINDS, BuiltEngineSpec, EngineSpec,
                                             EngineSpecBase, OpenAIEngineSpec, PagedEngineSpec, PagedPolicyKnobs,
                                             RealEngineSpec, SimEngineSpec, StaticEngineSpec, StaticPolicyKnobs,
@@ -42,6 +42,7 @@ from workbench.scenario.trace import load_scenario_trace
 
 __all__ = [
     "ANALYTIC",
+    "AUTO",
     "BUILTIN_COST_MODELS",
     "BUILTIN_PREFIX",
     "BuiltEngineSpec",

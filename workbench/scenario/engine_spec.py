@@ -41,7 +41,8 @@ ENGINE_KINDS = ("paged", "static", "sim", "openai")
 REAL_KINDS = ("paged", "static")  # the real model under the policy of that name
 POLICIES = ("paged", "static", "orca")  # what a sim engine may simulate
 ANALYTIC = "analytic"  # cost_model: the roofline model of engines.sim.analytic_cost_model
-BUILTIN_COST_MODELS: tuple[str, ...] = ("builtin:cpu",)
+BUILTIN_COST_MODELS: tuple[str, ...] = ("builtin:ci-reference",)
+AUTO = "auto"  # cost_model: this machine's profile, measured once and cached (workbench.calibration)
 
 # The scheduling policies that read each knob (engines.core.config.SchedulerConfig and the policies in
 # engines.core); an engine whose policy is not listed cannot be given the knob.
@@ -210,9 +211,13 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
     Attributes:
         policy: the scheduling policy simulated: ``paged`` (default; filled in on validation), ``static`` or
             ``orca``.
-        cost_model: a profile JSON (relative to the scenario's folder), ``builtin:cpu`` (default) or
-            ``analytic`` (the roofline model of ``engines.sim.analytic_cost_model``; default when
-            ``hardware`` is set); filled in on validation.
+        cost_model: ``auto`` (default: this machine's profile for the scenario's model and the engine's
+            dtype, measured on first use and cached; ``workbench.calibration``), a profile JSON (relative to
+            the scenario's folder), ``builtin:ci-reference`` (a committed profile, for runs that must give the
+            same numbers everywhere) or ``analytic`` (the roofline model of
+            ``engines.sim.analytic_cost_model``; default when ``hardware`` is set); filled in on validation.
+        step_noise: multiply each simulated step by a seeded draw of the profile's measured step-to-step
+            spread (default true; false: exact predictions).
         swap_bandwidth_bytes_per_s: policy paged: swap copy bandwidth charged, bytes/s (default 32e9,
             PCIe 4.0 x16).
         model: the catalogue model simulated (default: the scenario's model).
@@ -230,6 +235,7 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
     kind: Literal["sim"]
     policy: Literal["paged", "static", "orca"] | None = None
     cost_model: str | None = None
+    step_noise: bool = True
     swap_bandwidth_bytes_per_s: float | None = Field(None, gt=0, allow_inf_nan=False)
     model: str | None = None
     hardware: str | None = None
@@ -250,11 +256,11 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
         if self.policy is None:
             self.policy = "paged"
         if self.cost_model is None:
-            self.cost_model = ANALYTIC if self.hardware else "builtin:cpu"
+            self.cost_model = ANALYTIC if self.hardware else AUTO
         _check_whatif(self)
         if self.cost_model.startswith(BUILTIN_PREFIX) and self.cost_model not in BUILTIN_COST_MODELS:
             raise ValueError(f"cost_model {self.cost_model!r} is unknown; builtin cost models: "
-                             f"{', '.join(BUILTIN_COST_MODELS)} (or analytic, or a profile JSON path)")
+                             f"{', '.join(BUILTIN_COST_MODELS)} (or auto, analytic, or a profile JSON path)")
         return self
 
     @model_serializer(mode="wrap")

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from workbench.scenario.common import BUILTIN_PREFIX, FIELD_ERROR, ScenarioError, builtin_traces, resolve_path
-from workbench.scenario.engine_spec import ANALYTIC, REAL_KINDS
+from workbench.scenario.engine_spec import ANALYTIC, AUTO, REAL_KINDS
 from workbench.scenario.overrides import apply_overrides
 from workbench.scenario.schema import Scenario
 
@@ -188,7 +188,7 @@ def _check_files(sc: Scenario, file: Path | str, text: str | None, data: Any) ->
     if sc.trace.synthetic is not None:
         checks.append((("trace", "synthetic", "lengths_path"), sc.trace.synthetic.lengths_path))
     for i, eng in enumerate(sc.engines):
-        if eng.kind == "sim" and not eng.cost_model.startswith(BUILTIN_PREFIX) and eng.cost_model != ANALYTIC:
+        if eng.kind == "sim" and not eng.cost_model.startswith(BUILTIN_PREFIX) and eng.cost_model not in (ANALYTIC, AUTO):
             checks.append((("engines", i, "cost_model"), eng.cost_model))
     for loc, value in checks:
         if value is None:

@@ -10,7 +10,7 @@ from typing import Literal, get_args
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from workbench.scenario.common import BUILTIN_PREFIX, SpecModel, resolve_path
-from workbench.scenario.engine_spec import ANALYTIC, EngineSpec
+from workbench.scenario.engine_spec import ANALYTIC, AUTO, EngineSpec
 from workbench.traces import FORMATS
 
 TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt", "vidur", "synthetic"]
@@ -231,11 +231,11 @@ class Scenario(SpecModel):
         return resolve_path(self.trace.path, self._base_dir) if self.trace.path else None
 
     def cost_model_path(self, engine: EngineSpec) -> Path | None:
-        """A sim engine's profile JSON, resolved; None for a builtin or analytic cost model, or an engine
+        """A sim engine's profile JSON, resolved; None for an auto, builtin or analytic cost model, or an engine
         of another kind."""
         if engine.kind != "sim":
             return None
         cm = engine.cost_model
-        if cm is None or cm.startswith(BUILTIN_PREFIX) or cm == ANALYTIC:
+        if cm is None or cm.startswith(BUILTIN_PREFIX) or cm in (ANALYTIC, AUTO):
             return None
         return resolve_path(cm, self._base_dir)

@@ -1,0 +1,74 @@
+"""The shape of one engine step: what its batch computes, in the units a cost model charges (no torch).
+
+Both engines record it for every step (``StepRecord``), so a cost model can be checked step by step against
+the real engine's own steps, and the simulator's cost model predicts a step's seconds from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes.
+
+    Attributes:
+        tokens: rows of every GEMM: prefill chunk tokens + decode rows + static padding rows.
+        decode_rows: live decode rows (one token each, after a cached context).
+        padding_rows: static-batching padding rows (decode rows at their batch's length, never sampled).
+        decode_ctx: sum of the context lengths (tokens) that decode and padding rows attend to: KV read.
+        prefill_seqs: prefill chunks in the step (attention is run per chunk over its block table).
+        prefill_tokens: tokens of those chunks.
+        prefill_attn: sum over chunks of n * (start + n): query x key pairs (causal work up to a factor 2).
+        prefill_ctx: sum over chunks of n * start: query x cached-key pairs (a later chunk of a chunked
+            prefill, or a chunk after a prefix-cache hit, attends to its cached tokens too).
+        sampled: rows that go through the LM head (a row sampled for several parallel-sampling children
+            counts once per child).
+    """
+
+    tokens: int = 0
+    decode_rows: int = 0
+    padding_rows: int = 0
+    decode_ctx: int = 0
+    prefill_seqs: int = 0
+    prefill_tokens: int = 0
+    prefill_attn: int = 0
+    prefill_ctx: int = 0
+    sampled: int = 0
+
+    @classmethod
+    def of(cls, seqs) -> "StepShape":
+        """The shape of a step that runs ``seqs`` (``ScheduledSeq``)."""
+        tokens = decode_rows = padding = decode_ctx = pseqs = ptok = pattn = pctx = sampled = 0
+        for s in seqs:
+            n = s.num_tokens
+            tokens += n
+            if s.is_decode:
+                decode_ctx += s.start_pos + 1
+                if s.is_padding:
+                    padding += 1
+                else:
+                    decode_rows += 1
+            else:
+                pseqs += 1
+                ptok += n
+                pattn += n * (s.start_pos + n)
+                pctx += n * s.start_pos
+            if s.sample and not s.is_padding:
+                sampled += 1 + len(s.fork_ids)
+        return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @property
+    def kind(self) -> str:
+        """``decode``, ``prefill``, ``mixed`` (both), ``padded`` (decode rows with padding rows) or ``empty``."""
+        if not self.tokens:
+            return "empty"
+        if self.prefill_seqs and (self.decode_rows or self.padding_rows):
+            return "mixed"
+        if self.prefill_seqs:
+            return "prefill"
+        return "padded" if self.padding_rows else "decode"

@@ -1,0 +1,158 @@
+"""Per-machine calibration of the simulator: ``cost_model: auto`` finds or measures this machine's profile.
+
+A profile is valid for one *fingerprint*: CPU model and ISA flags, torch's CPU kernel level, torch threads,
+torch version, the model (name and a hash of its config), dtype, weight dtype and attention kernels. Profiles
+live in ``$WORKBENCH_CACHE/profiles/<model>-<key>.json`` (``key``: the first 16 hex digits of the
+fingerprint's sha256); ``workbench profile`` writes the same files. Block size is a feature of the cost model
+(each step's KV read), not of the fingerprint, so a block-size sweep calibrates once. A file lock makes
+concurrent processes (sweep workers) measure a fingerprint once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from engines.sim.cost_model import CostModel
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# fingerprint fields that decide what computation was measured (a mismatch refuses the profile) ...
+COMPUTATION_FIELDS = ("model", "model_config_sha256", "dtype", "weight_dtype")
+# ... and the machine's (a mismatch warns: a profile of another machine predicts another speed)
+MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention")
+
+
+class ProfileMismatchError(ValueError):
+    """A profile measured another computation (model, dtype or weight dtype) than the engine simulates."""
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
+def target_threads() -> int:
+    """The torch thread count the real engines run with: ``$WORKBENCH_PROFILE_THREADS`` (set by a sweep for its
+    single-threaded simulator workers), else torch's current setting."""
+    import torch
+
+    return int(os.environ.get("WORKBENCH_PROFILE_THREADS") or torch.get_num_threads())
+
+
+def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attention: str | None = None,
+                threads: int | None = None) -> dict:
+    """This machine's fingerprint for simulating ``model_dir`` in ``dtype`` (see the module docstring).
+    ``attention``: the real engine's attention kernels (default: what ``auto`` picks here)."""
+    import torch
+
+    from engines.real.model import pick_attention
+    from workbench.runner import cpu_name
+
+    if attention is None:
+        attention = pick_attention("auto", getattr(torch, dtype), torch.device("cpu")).name
+    cfg = (Path(model_dir) / "config.json").read_bytes()
+    return {"cpu": cpu_name(), "isa": _cpu_flags(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
+            "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype, "weight_dtype": dtype,
+            "attention": attention}
+
+
+def profile_key(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def profiles_dir() -> Path:
+    from engines.real.model_store import cache_dir
+
+    return cache_dir() / "profiles"
+
+
+def profile_path(fp: dict) -> Path:
+    """Where the profile of fingerprint ``fp`` is cached."""
+    return profiles_dir() / f"{fp['model']}-{profile_key(fp)}.json"
+
+
+def check_profile(cm: CostModel, fp: dict, where: str) -> list[str]:
+    """Compare a named profile's fingerprint with this run's. Returns the machine fields that differ (the
+    caller warns); a profile without a fingerprint (hand-written) differs in all of them.
+
+    Raises:
+        ProfileMismatchError: it measured another model, dtype or weight dtype.
+    """
+    have = cm.fingerprint
+    if not have:
+        return list(MACHINE_FIELDS)
+    bad = [k for k in COMPUTATION_FIELDS if k in have and have[k] != fp[k]]
+    if bad:
+        raise ProfileMismatchError(f"{where}: the profile measured another computation ("
+                                   + ", ".join(f"{k} {have[k]} != {fp[k]}" for k in bad)
+                                   + "); measure one with `workbench profile` or use cost_model: auto")
+    return [k for k in MACHINE_FIELDS if have.get(k) != fp.get(k)]
+
+
+def warn_machine(where: str, diff: list[str], cm: CostModel) -> None:
+    if diff:
+        warnings.warn(f"{where}: profile from another machine or setup (differs in {', '.join(diff)}; "
+                      f"{cm.source or 'no source'}); its speeds may not hold here", stacklevel=2)
+
+
+def measure_profile(model_dir: Path, fp: dict, quick: bool = False, repeats: int = 3,
+                    progress: Callable[[int, int], None] | None = None, kv_cache_tokens: int = 65536) -> CostModel:
+    """Measure a profile of ``model_dir`` on this machine with ``fp['threads']`` torch threads (the full grid
+    takes about 2 minutes on a 2-core CPU, the quick one about 40 s)."""
+    import torch
+
+    from engines.real.model import LlamaModel
+    from engines.real.model_runner import ModelExecutor
+    from engines.sim.profiler import FULL_GRID, QUICK_GRID, profile
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(fp["threads"])
+    try:
+        model = LlamaModel.from_dir(model_dir, getattr(torch, fp["dtype"]), fp["attention"])
+        ex = ModelExecutor(model, kv_cache_tokens // 16, 16)
+        cm = profile(ex, QUICK_GRID if quick else FULL_GRID, repeats, progress=progress)
+    finally:
+        torch.set_num_threads(before)
+    cm.fingerprint = fp
+    cm.created = dt.datetime.now().isoformat(timespec="seconds")
+    cm.source = (f"workbench profile{' --quick' if quick else ''}: {fp['model']} {fp['dtype']} on {fp['cpu']} "
+                 f"({fp['cpu_capability']}), {fp['threads']} threads, torch {fp['torch']}")
+    return cm
+
+
+def ensure_profile(model_name: str, model_dir: Path, dtype: str = "float32", quick: bool = False,
+                   progress: Callable[[int, int], None] | None = None,
+                   echo: Callable[[str], None] | None = None) -> tuple[CostModel, Path]:
+    """This machine's profile for the fingerprint of ``(model, dtype)``: the cached file, else measured now
+    (under a file lock, so that concurrent processes measure it once) and cached. Returns ``(model, path)``."""
+    import fcntl
+
+    fp = fingerprint(model_name, model_dir, dtype)
+    path = profile_path(fp)
+    if path.exists():
+        return CostModel.load(path), path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():  # another process measured it while this one waited
+            return CostModel.load(path), path
+        if echo:
+            echo(f"calibrating the simulator for this machine ({fp['cpu']}, {fp['threads']} threads, "
+                 f"{model_name} {dtype}); cached in {path}")
+        cm = measure_profile(model_dir, fp, quick=quick, progress=progress)
+        tmp = path.with_suffix(".tmp")
+        cm.save(tmp)
+        tmp.replace(path)
+    return cm, path

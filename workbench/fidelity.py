@@ -1,0 +1,144 @@
+"""How far a sim engine is from its real twin, measured three ways (``results.json`` ``sim_error``).
+
+* step level: every real step's recorded shape fed to the sim engine's cost model, prediction vs the measured
+  executor time plus the engine's own overhead: the cost model alone, free of queueing;
+* request level: per-request errors of TTFT and E2EL, requests matched by id;
+* distribution level: signed relative errors of output throughput and of the mean, p50, p90 and p99 of TTFT,
+  TPOT, ITL and E2EL.
+
+Per-request errors are the honest figure: errors of means and percentiles let errors of opposite sign cancel
+(inference-sim/sim-to-real-accuracy-validation makes the same point).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+from workbench.metrics import relative_error
+
+DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+DIST_STATS = ("mean", "p50", "p90", "p99")
+
+FORMULAS = {
+    "sim_error.step": "over the real engine's steps (every repeat): e = (cost model's prediction of the step's shape - measured duration - overhead) / (measured duration + overhead); mape = mean |e|, mean = mean e (signed), p90 = 90th percentile of |e|; shape_median_mape = mean over step shapes (kind x rows x tokens x context per row, power-of-2 buckets) of |median prediction - median measured| / median measured; noise_floor = median |d - shape median| / shape median of the measured steps of shapes seen at least 3 times (the real executor's own step-to-step spread)",
+    "sim_error.request": "requests finished in both, matched by id: ttft_mape = mean |sim TTFT - real TTFT| / real TTFT, e2el_mape likewise (real: the mean over the repeats of each request)",
+    "profile": "a sim engine's cost model: path, fingerprint (CPU model and ISA flags, torch CPU kernel level, threads, torch version, model and its config hash, dtype, weight dtype, attention kernels) and when it was measured; cost_model auto measures this machine's on first use (workbench.calibration)",
+    "drift": "before each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed; speed_ratio = geometric mean over all of them of measured / profile-predicted executor seconds; when |speed_ratio - 1| > margin the sim engine's predictions are multiplied by speed_ratio (rescaled); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
+    "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
+}
+
+
+def _bucket(x: float) -> int:
+    """Power-of-2 bucket of ``x`` (0 for 0)."""
+    return 0 if x <= 0 else int(math.floor(math.log2(x))) + 1
+
+
+def shape_key(shape) -> tuple:
+    """The bucket a step's shape falls in for per-shape medians: (kind, rows, tokens, context per row)."""
+    rows = shape.decode_rows + shape.padding_rows
+    return (shape.kind, _bucket(rows), _bucket(shape.tokens), _bucket(shape.decode_ctx / rows if rows else 0),
+            _bucket(shape.prefill_ctx / max(shape.prefill_tokens, 1)))
+
+
+def step_errors(cost_model, steps) -> dict:
+    """Step-level error of ``cost_model`` on real ``steps`` (``StepRecord``s of one or more runs); see
+    ``FORMULAS["sim_error.step"]``. Steps that computed nothing are skipped."""
+    from engines.sim.cost_model import shape_features
+
+    pred, meas, keys = [], [], []
+    for s in steps:
+        if not s.num_seqs or s.duration <= 0:
+            continue
+        pred.append(cost_model.predict_features(shape_features(s.shape)))
+        meas.append(s.duration + s.overhead)
+        keys.append(shape_key(s.shape))
+    if not meas:
+        return {"n_steps": 0}
+    p, m = np.array(pred), np.array(meas)
+    e = (p - m) / m
+    groups: dict[tuple, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    shape_errs, dev = [], []
+    by_kind: dict[str, list[float]] = {}
+    for k, idx in groups.items():
+        mm, pm = float(np.median(m[idx])), float(np.median(p[idx]))
+        shape_errs.append(abs(pm - mm) / mm)
+        by_kind.setdefault(k[0], []).append(abs(pm - mm) / mm)
+        if len(idx) >= 3:
+            dev.extend(abs(m[i] - mm) / mm for i in idx)
+    return {"n_steps": len(m), "n_shapes": len(groups), "mape": float(np.abs(e).mean()), "mean": float(e.mean()),
+            "p90": float(np.percentile(np.abs(e), 90)), "shape_median_mape": float(np.mean(shape_errs)),
+            "shape_median_mape_by_kind": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
+            "noise_floor": float(np.median(dev)) if dev else None}
+
+
+def request_errors(sim_outs, real_runs: list) -> dict:
+    """Per-request MAPE of TTFT and E2EL; ``real_runs`` is a list of each repeat's outputs (averaged per id)."""
+    from workbench.metrics import request_metrics
+
+    def table(outs):
+        t = {}
+        for o in outs:
+            m = request_metrics(o) if o.finish_reason in ("stop", "length") else None
+            if m is not None:
+                t[o.request_id] = (m.ttft, m.e2el)
+        return t
+
+    sim = table(sim_outs)
+    reals = [table(outs) for outs in real_runs]
+    ttft, e2el = [], []
+    for rid, (st, se) in sim.items():
+        vals = [r[rid] for r in reals if rid in r]
+        if len(vals) != len(reals):
+            continue
+        rt, re_ = statistics.fmean(v[0] for v in vals), statistics.fmean(v[1] for v in vals)
+        if rt > 0:
+            ttft.append(abs(st - rt) / rt)
+        if re_ > 0:
+            e2el.append(abs(se - re_) / re_)
+    return {"n_matched": len(e2el), "ttft_mape": statistics.fmean(ttft) if ttft else None,
+            "e2el_mape": statistics.fmean(e2el) if e2el else None}
+
+
+def dist_errors(sim: dict, real: dict) -> dict:
+    """Signed relative errors of the summary figures (``FORMULAS["sim_error.dist"]``)."""
+    out = {"output_throughput": relative_error(sim["output_throughput"], real["output_throughput"])}
+    for m in DIST_METRICS:
+        s, r = sim.get(m) or {}, real.get(m) or {}
+        out[m] = {k: relative_error(s[k], r[k]) if s.get(k) is not None and r.get(k) is not None else None
+                  for k in DIST_STATS}
+    return out
+
+
+def sim_error(cost_model, sim_summary: dict, sim_outs, real_name: str, real_summary: dict, real_runs: list,
+              real_steps: list) -> dict:
+    """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name``."""
+    return {"real_engine": real_name, "step": step_errors(cost_model, real_steps),
+            "request": request_errors(sim_outs, real_runs), "dist": dist_errors(sim_summary, real_summary)}
+
+
+def summary_line(err: dict) -> str:
+    """One terminal line of a ``sim_error``."""
+    def pct(x):
+        return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:+.1%}"
+
+    st, rq, d = err["step"], err["request"], err["dist"]
+    parts = [f"vs {err['real_engine']}: throughput {pct(d['output_throughput'])}",
+             f"TTFT p50 {pct(d['ttft_ms']['p50'])} p99 {pct(d['ttft_ms']['p99'])}",
+             f"TPOT p50 {pct(d['tpot_ms']['p50'])}", f"ITL p99 {pct(d['itl_ms']['p99'])}",
+             f"E2EL p50 {pct(d['e2el_ms']['p50'])} p99 {pct(d['e2el_ms']['p99'])}"]
+    if rq.get("e2el_mape") is not None:
+        parts.append(f"per-request MAPE TTFT {rq['ttft_mape']:.1%} E2EL {rq['e2el_mape']:.1%}")
+    if st.get("n_steps"):
+        nf = st.get("noise_floor")
+        parts.append(f"steps: MAPE {st['mape']:.1%}, per-shape medians {st['shape_median_mape']:.1%}"
+                     + (f" (noise floor {nf:.1%})" if nf is not None else ""))
+    return "; ".join(parts)
+
+
+__all__ = ["FORMULAS", "dist_errors", "request_errors", "shape_key", "sim_error", "step_errors", "summary_line"
+           ]
