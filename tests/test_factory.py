@@ -60,9 +60,9 @@ def test_whatif_engine_honours_prefix_caching_on_and_off():
 
 
 @pytest.mark.parametrize("engine", [
-    {"kind": "sim", "cost_model": "builtin:cpu"},
-    {"kind": "sim", "policy": "orca", "cost_model": "builtin:cpu"},
-    {"kind": "sim", "policy": "static", "cost_model": "builtin:cpu"},
+    {"kind": "sim", "cost_model": "builtin:ci-reference"},
+    {"kind": "sim", "policy": "orca", "cost_model": "builtin:ci-reference"},
+    {"kind": "sim", "policy": "static", "cost_model": "builtin:ci-reference"},
     WHATIF,
     {**WHATIF, "speculative_model": "qwen2.5-0.5b", "num_speculative_tokens": 3, "spec_acceptance_rate": 0.5},
 ])

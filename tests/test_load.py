@@ -148,7 +148,9 @@ def test_mean_summary_averages_and_reports_spread():
     assert t["std"] == pytest.approx(2 ** 0.5 * 2)
 
 
-def test_run_repeat_interleaves_real_engines_and_runs_sims_once(tmp_path, tiny_llama_dir):
+def test_run_repeat_interleaves_real_engines_then_runs_sims_once(tmp_path, tiny_llama_dir):
+    """Real engines first (interleaved), then the simulator, once: a profile without step noise is deterministic
+    (with noise it would run as many times, one noise seed each)."""
     CostModel({"const": 0.002, "tokens": 1e-4, "decode_ctx": 0, "prefill_attn": 0, "sampled": 0}).save(tmp_path / "cm.json")
     sc = _scenario(tiny_llama_dir, engines=[
         {"name": "paged", "kind": "paged", "kv_cache_tokens": 1024, "max_model_len": 256},
@@ -162,7 +164,7 @@ def test_run_repeat_interleaves_real_engines_and_runs_sims_once(tmp_path, tiny_l
         order.append(name)
         return None
     res = run_scenario(load_scenario(tmp_path / "s.yaml"), tmp_path / "o", progress, plots=False, repeat=2)
-    assert order == ["paged #1", "static #1", "sim-paged #1", "paged #2", "static #2"]
+    assert order == ["paged #1", "static #1", "paged #2", "static #2", "sim-paged"]
     for name in ("paged", "static"):
         s = res["engines"][name]["summary"]
         assert s["repeats"]["n"] == 2 and len(s["repeats"]["metrics"]["output_throughput"]["values"]) == 2

@@ -28,6 +28,13 @@ SCENARIO = {
 }
 
 
+def res_steps(out, engine):
+    import csv
+
+    with open(out / engine / "steps.csv") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
 @pytest.fixture
 def scenario_file(tmp_path, tiny_llama_dir):
     CostModel({"const": 0.002, "tokens": 1e-4, "decode_ctx": 0, "prefill_attn": 0, "sampled": 0}).save(tmp_path / "cm.json")
@@ -50,8 +57,20 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
         assert (out / name / "requests.csv").read_text().count("\n") == 11
         assert (out / name / "steps.csv").exists()
     assert res["engines"]["static"]["summary"]["kv_waste_frac"] > res["engines"]["paged"]["summary"]["kv_waste_frac"]
-    assert res["engines"]["sim-paged"]["summary"]["sim_error"]["real_engine"] == "paged"
-    assert res["engines"]["sim-static"]["summary"]["sim_error"]["real_engine"] == "static"
+    for sim, real in (("sim-paged", "paged"), ("sim-static", "static")):
+        err = res["engines"][sim]["summary"]["sim_error"]
+        assert err["real_engine"] == real
+        # every real step checked against the cost model, every request matched by id
+        assert err["step"]["n_steps"] == sum(1 for st in res_steps(out, real) if st["num_seqs"] > 0)
+        assert err["request"]["n_matched"] == 10 and err["request"]["e2el_mape"] > 0
+        assert set(err["dist"]) == {"output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}
+        assert set(err["dist"]["itl_ms"]) == {"mean", "p50", "p90", "p99"}
+        # the profile used (a hand-written file: no fingerprint) and the drift probes of the real runs
+        e = res["engines"][sim]
+        assert e["profile"]["path"].endswith("cm.json") and e["profile"]["fingerprint"] == {}
+        assert e["drift"]["n_probe_runs"] == 2 and e["drift"]["speed_ratio"] > 0
+    assert res["profile"]["path"].endswith("cm.json")
+    assert "sim_error.step" in res["formulas"] and "drift" in res["formulas"]
     # where each real engine ran and on which attention kernels (the simulator has no runtime)
     import torch
 
@@ -76,13 +95,16 @@ def test_cli_run_and_clear_errors(scenario_file, tmp_path):
                                  "--set", "engines.paged.max_num_seqs=4"])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o" / "report.html").exists()
-    # a cost model 1000x too slow: the run says the simulator is off and how to refit it
+    # a cost model 1000x too slow: the run says the simulator is off and what to use instead
     CostModel({"const": 2.0, "tokens": 0.1, "decode_ctx": 0, "prefill_attn": 0, "sampled": 0}).save(
         scenario_file.parent / "slow.json")
     r = CliRunner().invoke(app, ["run", str(scenario_file), "--out", str(tmp_path / "o2"),
                                  "--set", "engines.sim-paged.cost_model=slow.json"])
     assert r.exit_code == 0, r.output
-    assert "note: a simulator is more than 15% off its real engine" in r.output and "workbench profile" in r.output
+    assert "note: a simulator's output throughput is more than 15% off its real engine" in r.output
+    assert "cost_model: auto" in r.output
+    # drift far beyond the margin is not corrected: the profile does not describe this machine
+    assert "not rescaled: beyond" in r.output
     bad = tmp_path / "bad.yaml"
     bad.write_text(scenario_file.read_text().replace("reservation: max", "reservation: maxx"))
     r = CliRunner().invoke(app, ["run", str(bad)])

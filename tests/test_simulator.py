@@ -7,7 +7,6 @@ from engines.core.request import Request
 from engines.core.sampling_params import SamplingParams
 from engines.factory import build_scheduler
 from engines.sim.cost_model import FEATURES, CostModel, step_features
-from engines.sim.profiler import fit_with_holdout
 from engines.sim.simulator import make_sim_engine, simulate
 
 CM = CostModel({"const": 0.01, "tokens": 0.001, "decode_ctx": 0.0, "prefill_attn": 0.0, "sampled": 0.0})
@@ -60,10 +59,9 @@ def test_cost_model_fit_recovers_coefficients_and_round_trips(tmp_path):
     for p in (32, 256, 1024):
         f = {"const": 1, "tokens": p, "decode_ctx": 0, "prefill_attn": p * p, "sampled": 1}
         rows.append((f, true.predict_features(f)))
-    cm = fit_with_holdout(rows)
+    cm = CostModel.fit(rows)
     for f, t in rows:
         assert cm.predict_features(f) == pytest.approx(t, rel=1e-6)
-    assert cm.fit_error["n_holdout"] == 2 and cm.fit_error["n_points"] == 11
     cm.save(tmp_path / "p.json")
     assert CostModel.load(tmp_path / "p.json").coef == pytest.approx(cm.coef)
     with pytest.raises(ValueError, match="not a cost-model profile"):
@@ -149,4 +147,5 @@ def test_step_features():
     sp = SamplingParams()
     seqs = [ScheduledSeq("a", [1], 99, [0], True, sp), ScheduledSeq("b", [1] * 10, 20, [0], False, sp)]
     f = step_features(seqs)
-    assert f == {"const": 1.0, "tokens": 11, "decode_ctx": 100, "prefill_attn": 300, "prefill_ctx": 200, "sampled": 1}
+    assert f == {"const": 1.0, "tokens": 11, "decode_ctx": 100, "prefill_attn": 300, "prefill_ctx": 200, "sampled": 1,
+                 "decode_rows": 1, "padding_rows": 0, "prefill_seqs": 1, "prefill_tokens": 10, "rows": 1}

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import platform
 import json
 import os
+import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -42,6 +45,17 @@ def _cpu_flags() -> list[str]:
     return []
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def target_threads() -> int:
     """The torch thread count the real engines run with: ``$WORKBENCH_PROFILE_THREADS`` (set by a sweep for its
     single-threaded simulator workers), else torch's current setting."""
@@ -57,7 +71,6 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     import torch
 
     from engines.real.model import pick_attention
-    from workbench.runner import cpu_name
 
     if attention is None:
         attention = pick_attention("auto", getattr(torch, dtype), torch.device("cpu")).name
@@ -80,7 +93,8 @@ def profiles_dir() -> Path:
 
 def profile_path(fp: dict) -> Path:
     """Where the profile of fingerprint ``fp`` is cached."""
-    return profiles_dir() / f"{fp['model']}-{profile_key(fp)}.json"
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(fp["model"]).name) or "model"  # a model folder: its name
+    return profiles_dir() / f"{name}-{profile_key(fp)}.json"
 
 
 def check_profile(cm: CostModel, fp: dict, where: str) -> list[str]:
@@ -151,7 +165,15 @@ def ensure_profile(model_name: str, model_dir: Path, dtype: str = "float32", qui
         if echo:
             echo(f"calibrating the simulator for this machine ({fp['cpu']}, {fp['threads']} threads, "
                  f"{model_name} {dtype}); cached in {path}")
-        cm = measure_profile(model_dir, fp, quick=quick, progress=progress)
+        if progress is None and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("calibrating the simulator", total=None)
+                cm = measure_profile(model_dir, fp, quick=quick,
+                                     progress=lambda i, n: bar.update(task, completed=i, total=n))
+        else:
+            cm = measure_profile(model_dir, fp, quick=quick, progress=progress)
         tmp = path.with_suffix(".tmp")
         cm.save(tmp)
         tmp.replace(path)

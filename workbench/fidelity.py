@@ -19,14 +19,15 @@ import numpy as np
 
 from workbench.metrics import relative_error
 
+MIN_SHAPE_STEPS = 3  # steps a shape needs for its median to count in shape_median_mape
 DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DIST_STATS = ("mean", "p50", "p90", "p99")
 
 FORMULAS = {
-    "sim_error.step": "over the real engine's steps (every repeat): e = (cost model's prediction of the step's shape - measured duration - overhead) / (measured duration + overhead); mape = mean |e|, mean = mean e (signed), p90 = 90th percentile of |e|; shape_median_mape = mean over step shapes (kind x rows x tokens x context per row, power-of-2 buckets) of |median prediction - median measured| / median measured; noise_floor = median |d - shape median| / shape median of the measured steps of shapes seen at least 3 times (the real executor's own step-to-step spread)",
-    "sim_error.request": "requests finished in both, matched by id: ttft_mape = mean |sim TTFT - real TTFT| / real TTFT, e2el_mape likewise (real: the mean over the repeats of each request)",
+    "sim_error.step": "over the real engine's steps (every repeat): e = (cost model's prediction of the step's shape - measured duration - overhead) / (measured duration + overhead); mape = mean |e|, mean = mean e (signed), p90 = 90th percentile of |e|; shape_median_mape = mean over step shapes (kind x rows x tokens x context per row x cached context per prefill token, power-of-2 buckets) seen at least 3 times of |median prediction - median measured| / median measured (shape_median_mape_all: over every shape); noise_floor = median |d - shape median| / shape median of the measured steps of shapes seen at least 3 times (the real executor's own step-to-step spread)",
+    "sim_error.request": "requests finished in both, matched by id: ttft_mape = mean |sim TTFT - real TTFT| / real TTFT, e2el_mape likewise (each side: the mean over its repeats of each request; a sim engine with step noise runs as many repeats as its twin, noise seeds seed + i)",
     "profile": "a sim engine's cost model: path, fingerprint (CPU model and ISA flags, torch CPU kernel level, threads, torch version, model and its config hash, dtype, weight dtype, attention kernels) and when it was measured; cost_model auto measures this machine's on first use (workbench.calibration)",
-    "drift": "before each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed; speed_ratio = geometric mean over all of them of measured / profile-predicted executor seconds; when |speed_ratio - 1| > margin the sim engine's predictions are multiplied by speed_ratio (rescaled); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
+    "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed; speed_ratio = geometric mean over all of them of measured / profile-predicted executor seconds; when |speed_ratio - 1| > margin and speed_ratio is within [1 / max, max] the sim engine's predictions are multiplied by speed_ratio (rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
 }
 
@@ -62,22 +63,26 @@ def step_errors(cost_model, steps) -> dict:
     groups: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         groups.setdefault(k, []).append(i)
-    shape_errs, dev = [], []
+    shape_errs, all_errs, dev = [], [], []
     by_kind: dict[str, list[float]] = {}
     for k, idx in groups.items():
         mm, pm = float(np.median(m[idx])), float(np.median(p[idx]))
-        shape_errs.append(abs(pm - mm) / mm)
-        by_kind.setdefault(k[0], []).append(abs(pm - mm) / mm)
-        if len(idx) >= 3:
+        all_errs.append(abs(pm - mm) / mm)
+        if len(idx) >= MIN_SHAPE_STEPS:  # a median of one or two steps is a step, not a shape's median
+            shape_errs.append(abs(pm - mm) / mm)
+            by_kind.setdefault(k[0], []).append(abs(pm - mm) / mm)
             dev.extend(abs(m[i] - mm) / mm for i in idx)
-    return {"n_steps": len(m), "n_shapes": len(groups), "mape": float(np.abs(e).mean()), "mean": float(e.mean()),
-            "p90": float(np.percentile(np.abs(e), 90)), "shape_median_mape": float(np.mean(shape_errs)),
+    return {"n_steps": len(m), "n_shapes": len(groups), "n_shapes_median": len(shape_errs),
+            "mape": float(np.abs(e).mean()), "mean": float(e.mean()), "p90": float(np.percentile(np.abs(e), 90)),
+            "shape_median_mape": float(np.mean(shape_errs)) if shape_errs else None,
+            "shape_median_mape_all": float(np.mean(all_errs)),
             "shape_median_mape_by_kind": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
             "noise_floor": float(np.median(dev)) if dev else None}
 
 
-def request_errors(sim_outs, real_runs: list) -> dict:
-    """Per-request MAPE of TTFT and E2EL; ``real_runs`` is a list of each repeat's outputs (averaged per id)."""
+def request_errors(sim_runs: list, real_runs: list) -> dict:
+    """Per-request MAPE of TTFT and E2EL; ``sim_runs`` and ``real_runs`` are lists of each repeat's outputs (each
+    side averaged per request id over its repeats)."""
     from workbench.metrics import request_metrics
 
     def table(outs):
@@ -88,14 +93,19 @@ def request_errors(sim_outs, real_runs: list) -> dict:
                 t[o.request_id] = (m.ttft, m.e2el)
         return t
 
-    sim = table(sim_outs)
-    reals = [table(outs) for outs in real_runs]
+    def mean_of(tables, rid):
+        vals = [t[rid] for t in tables if rid in t]
+        if len(vals) != len(tables):
+            return None
+        return statistics.fmean(v[0] for v in vals), statistics.fmean(v[1] for v in vals)
+
+    sims, reals = [table(outs) for outs in sim_runs], [table(outs) for outs in real_runs]
     ttft, e2el = [], []
-    for rid, (st, se) in sim.items():
-        vals = [r[rid] for r in reals if rid in r]
-        if len(vals) != len(reals):
+    for rid in sims[0] if sims else ():
+        s, r = mean_of(sims, rid), mean_of(reals, rid)
+        if s is None or r is None:
             continue
-        rt, re_ = statistics.fmean(v[0] for v in vals), statistics.fmean(v[1] for v in vals)
+        (st, se), (rt, re_) = s, r
         if rt > 0:
             ttft.append(abs(st - rt) / rt)
         if re_ > 0:
@@ -114,11 +124,12 @@ def dist_errors(sim: dict, real: dict) -> dict:
     return out
 
 
-def sim_error(cost_model, sim_summary: dict, sim_outs, real_name: str, real_summary: dict, real_runs: list,
+def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
               real_steps: list) -> dict:
-    """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name``."""
+    """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name`` (``*_runs``: each
+    repeat's outputs; ``real_steps``: the step records of every real repeat)."""
     return {"real_engine": real_name, "step": step_errors(cost_model, real_steps),
-            "request": request_errors(sim_outs, real_runs), "dist": dist_errors(sim_summary, real_summary)}
+            "request": request_errors(sim_runs, real_runs), "dist": dist_errors(sim_summary, real_summary)}
 
 
 def summary_line(err: dict) -> str:
@@ -135,7 +146,8 @@ def summary_line(err: dict) -> str:
         parts.append(f"per-request MAPE TTFT {rq['ttft_mape']:.1%} E2EL {rq['e2el_mape']:.1%}")
     if st.get("n_steps"):
         nf = st.get("noise_floor")
-        parts.append(f"steps: MAPE {st['mape']:.1%}, per-shape medians {st['shape_median_mape']:.1%}"
+        sm = st.get("shape_median_mape")
+        parts.append(f"steps: MAPE {st['mape']:.1%}, per-shape medians {'n/a' if sm is None else f'{sm:.1%}'}"
                      + (f" (noise floor {nf:.1%})" if nf is not None else ""))
     return "; ".join(parts)
 

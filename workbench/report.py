@@ -216,8 +216,12 @@ def load_lines(results: dict) -> list[str]:
         rep = e["summary"].get("repeats")
         if rep:
             t = rep["metrics"]["output_throughput"]
-            lines.append(f"{n}: {rep['n']} runs, output throughput mean {t['mean']:.4g} tok/s, std {t['std']:.3g}, "
-                         f"range {t['min']:.4g}-{t['max']:.4g}")
+            line = (f"{n}: {rep['n']} runs, output throughput mean {t['mean']:.4g} tok/s, std {t['std']:.3g}, "
+                    f"range {t['min']:.4g}-{t['max']:.4g} (spread {t['spread']:.1%})")
+            if rep.get("gemm_gflops"):
+                g = rep["gemm_gflops"]
+                line += f"; GEMM probe before each run {g['mean']:.0f} GFLOP/s (spread {g['spread']:.1%})"
+            lines.append(line)
     return lines
 
 

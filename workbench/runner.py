@@ -15,6 +15,7 @@ from engines.core.config import ModelConfig
 from engines.factory import EngineConfig, build_engine
 from engines.sim.catalog import GIB
 from engines.sim.cost_model import CostModel
+from workbench.calibration import cpu_name
 from workbench.fidelity import FORMULAS as FIDELITY_FORMULAS
 from workbench.metrics import FORMULAS, summarize
 from workbench.replay import make_requests, replay_realtime, replay_simulated
@@ -114,7 +115,8 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     """Replay the trace on one engine; returns ``(outputs, steps)``. For a real engine, ``runtime`` (if
     given) gets where it ran: ``device`` (e.g. ``cpu``, ``cuda:0``), ``device_name`` and ``attention``
     (the kernels picked: ``cpp``, ``torch`` or ``triton``), and with ``probe`` the machine probes timed just
-    before the replay: ``probe: {gemm_gflops, steps}`` (``engines.sim.profiler.gemm_probe``, ``speed_probe``).
+    before and just after the replay: ``probe: {gemm_gflops, steps}`` (``engines.sim.profiler.gemm_probe``,
+    ``speed_probe``).
     ``cost_model``: a sim engine's measured cost model (default: :func:`load_cost_model`).
     ``trace.max_concurrency`` (closed-loop users) applies to every kind."""
     users = scenario.trace.max_concurrency
@@ -136,6 +138,8 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
             runtime["probe"] = {"gemm_gflops": gemm_probe(), "steps": speed_probe(engine.executor)}
         warm_up(engine)
         outs = replay_realtime(engine, requests, on_output, max_concurrency=users)
+        if probe and runtime is not None:  # and after it (the engine is done with its KV blocks)
+            runtime["probe"]["steps"] += speed_probe(engine.executor)
         return outs, engine.steps
     finally:
         del engine
@@ -150,17 +154,6 @@ def engine_runtime(engine) -> dict:
     dev = model.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {"device": str(dev), "device_name": name, "attention": model.attention.name}
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def warm_up(engine) -> None:
@@ -202,6 +195,7 @@ def add_openai_server_metrics(summary: dict, outs) -> None:
 
 
 DRIFT_MARGIN = 0.03  # rescale a sim engine's profile when the machine probes differ from it by more
+DRIFT_MAX = 1.5  # ... but not past this factor either way: that is a profile of another machine, not drift
 
 
 def twin_of(name: str, policy: str, engines: dict) -> str | None:
@@ -217,12 +211,16 @@ def twin_of(name: str, policy: str, engines: dict) -> str | None:
 def drift(cm: CostModel, probes: list[dict]) -> dict:
     """``drift`` of a sim engine's profile against the machine probes of this run's real engines:
     ``speed_ratio`` = geometric mean of measured / predicted over every probe step of every real run; beyond
-    :data:`DRIFT_MARGIN` the profile's predictions are rescaled by it (``rescaled``)."""
+    :data:`DRIFT_MARGIN` the profile's predictions are rescaled by it (``rescaled``), unless it is beyond
+    :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is left as it
+    is and the run says so)."""
     from engines.sim.profiler import probe_ratio
 
     ratio = probe_ratio(cm, [p for run in probes for p in run["steps"]])
-    rescaled = ratio is not None and abs(ratio - 1.0) > DRIFT_MARGIN
-    return {"speed_ratio": ratio, "margin": DRIFT_MARGIN, "rescaled": rescaled, "n_probe_runs": len(probes),
+    beyond = ratio is not None and not 1 / DRIFT_MAX <= ratio <= DRIFT_MAX
+    rescaled = ratio is not None and abs(ratio - 1.0) > DRIFT_MARGIN and not beyond
+    return {"speed_ratio": ratio, "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled,
+            "beyond_max": beyond, "n_probe_runs": len(probes),
             "probes": [{"gemm_gflops": run["gemm_gflops"],
                         "steps": [{"features": {k: v for k, v in p["features"].items() if v and k != "const"},
                                    "seconds": p["seconds"], "predicted": cm.predict_exec(p["features"])}
@@ -245,7 +243,7 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict) -> None:
             continue
         runs = per_engine[real]
         e["summary"]["sim_error"] = sim_error(
-            cost_models[name], e["summary"], per_engine[name][0][1], real, engines[real]["summary"],
+            cost_models[name], e["summary"], [r[1] for r in per_engine[name]], real, engines[real]["summary"],
             [r[1] for r in runs], [st for r in runs for st in r[2]])
 
 
@@ -267,8 +265,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     ``progress`` (optional) is called as ``progress(engine_name, kind, total)`` and must return a
     callback taking each ``RequestOutput``. ``plots=False`` (sweep points) skips the PNGs and report.html.
     ``repeat`` runs the real engines that many times, interleaved (paged, static, paged, static, ...), and
-    reports each summary number's mean plus ``summary.repeats`` (spread); sim engines run once (they are
-    deterministic). With ``trace.load`` the engines' saturation capacities are probed first (once) and the
+    reports each summary number's mean plus ``summary.repeats`` (spread); a sim engine with step noise runs as
+    many times with noise seeds ``seed + i``, one without runs once (it is deterministic). With ``trace.load`` the engines' saturation capacities are probed first (once) and the
     trace is rescaled to the offered load; ``echo`` (optional) gets a line about each probe.
 
     Raises:
@@ -297,19 +295,21 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         "formulas": {**FORMULAS, **FIDELITY_FORMULAS},
         "engines": {},
     }
-    if scenario.trace.load is not None:
-        trace, results["load"], results["capacity"] = probe_load(scenario, trace, model_dir, model_cfg, eos, echo)
-    per_engine: dict[str, list] = {spec.name: [] for spec in scenario.engines}
     sims = [spec for spec in scenario.engines if spec.kind == "sim"]
+    # calibrate first (cost_model auto measures this machine's profile once), so that probes and sims share it
     measured = {spec.name: load_cost_model(scenario, spec, model_dir, echo) for spec in sims
                 if spec.cost_model != ANALYTIC}
     if measured:
         results["profile"] = next(iter(measured.values()))[1]
+    if scenario.trace.load is not None:
+        trace, results["load"], results["capacity"] = probe_load(scenario, trace, model_dir, model_cfg, eos, echo,
+                                                                 {n: m[0] for n, m in measured.items()})
+    per_engine: dict[str, list] = {spec.name: [] for spec in scenario.engines}
 
-    def run_one(spec, label, cost_model=None):
+    def run_one(spec, label, cost_model=None, sc=scenario):
         cb = progress(label, spec.kind, len(trace)) if progress else None
         runtime: dict = {}
-        outs, steps = run_engine(scenario, spec, model_dir, model_cfg, trace, eos, cb, runtime, cost_model,
+        outs, steps = run_engine(sc, spec, model_dir, model_cfg, trace, eos, cb, runtime, cost_model,
                                  probe=spec.kind in ("paged", "static"))
         summary = summarize(outs, steps, len(trace), slo)
         if spec.policy_name == "paged":  # the trace's reuse under an unlimited cache
@@ -335,7 +335,12 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
                 if echo:
                     echo(f"{spec.name}: this machine runs the probe steps at {cm.speed_scale:.3f}x the profile's "
                          f"times (margin {DRIFT_MARGIN:.0%}); predictions rescaled")
-        run_one(spec, spec.name, cm)
+        # with step noise the simulator is one draw of a noisy machine too: as many runs as the real engines
+        # had, noise seeds seed, seed + 1, ..., so that its means compare with theirs
+        noisy = cm is not None and spec.step_noise and cm.noise_cv > 0
+        for rep in range(repeat if noisy else 1):
+            run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 and noisy else ""), cm,
+                    scenario.model_copy(update={"seed": scenario.seed + rep}))
     frames = {}
     for spec in scenario.engines:
         runs = per_engine[spec.name]
@@ -384,11 +389,12 @@ def machine_info() -> dict:
 
 
 def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfig, eos,
-               echo: Callable[[str], None] | None = None) -> tuple[list, dict, dict]:
+               echo: Callable[[str], None] | None = None,
+               cost_models: dict[str, CostModel] | None = None) -> tuple[list, dict, dict]:
     """Measure the saturation capacity of every engine that can be probed (kind paged, static, sim; the
     load's engine first) on one sample of the trace, then rescale the trace to ``factor`` x the load
     engine's capacity. Returns ``(trace, load, capacity)``: the ``results.json`` entries of the same names
-    (see ``FORMULAS``).
+    (see ``FORMULAS``). ``cost_models``: the sim engines' measured cost models by engine name.
 
     Raises:
         ValueError: nothing of a probe finished.
@@ -403,7 +409,8 @@ def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfi
 
     def run(name: str, reqs) -> list:
         spec = scenario.engine(name)
-        outs, _ = run_engine(probe_sc, spec, model_dir, model_cfg, reqs, eos)
+        outs, _ = run_engine(probe_sc, spec, model_dir, model_cfg, reqs, eos,
+                             cost_model=(cost_models or {}).get(name))
         if echo:
             finished = [o for o in outs if o.finished_time is not None]
             echo(f"capacity probe {name} ({spec.kind}): {len(reqs)} requests at once, "
@@ -428,7 +435,8 @@ REPEAT_METRICS = ("output_throughput", "request_throughput", "total_token_throug
 
 def mean_summary(summaries: list[dict]) -> dict:
     """The mean of several runs' summaries (every number averaged; other values from the first run), with
-    ``repeats: {n, metrics: {metric: {mean, std, min, max, values}}}`` for :data:`REPEAT_METRICS`
+    ``repeats: {n, metrics: {metric: {mean, std, min, max, spread, values}}}`` for :data:`REPEAT_METRICS`
+    (spread = (max - min) / mean)
     (std with n - 1; 0 for one run)."""
     import statistics
 
@@ -449,7 +457,9 @@ def mean_summary(summaries: list[dict]) -> dict:
         vals = [v for v in (metric_value(s, m) for s in summaries) if v is not None]
         if not vals:
             continue
-        spread[m] = {"mean": sum(vals) / len(vals), "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
-                     "min": min(vals), "max": max(vals), "values": vals}
+        mean = sum(vals) / len(vals)
+        spread[m] = {"mean": mean, "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+                     "min": min(vals), "max": max(vals), "spread": (max(vals) - min(vals)) / mean if mean else 0.0,
+                     "values": vals}
     out["repeats"] = {"n": len(summaries), "metrics": spread}
     return out

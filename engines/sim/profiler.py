@@ -36,37 +36,45 @@ class GridStep:
         return (self.decode_rows + self.padding_rows) * self.ctx + sum(n + s for n, s in self.prefills)
 
 
-def _grid(prefill_sizes, multi, cached, decode_rows, decode_ctx, mixed, padded) -> list[GridStep]:
+def _grid(prefill_sizes, multi, cached, body_rows, ctx_rows, decode_ctx, mixed, padded,
+          body_ctx: int = 64) -> list[GridStep]:
     g = [GridStep(prefills=((n, 0),)) for n in prefill_sizes]
     g += [GridStep(prefills=((n, 0),) * k) for k, n in multi]
     g += [GridStep(prefills=((n, s),)) for n, s in cached]
-    g += [GridStep(r, c) for r in decode_rows for c in decode_ctx if r * c <= 40960]  # fits the profiling pool
+    g += [GridStep(r, body_ctx) for r in body_rows]  # the body's time per row count, at a short context
+    g += [GridStep(r, c) for r in ctx_rows for c in decode_ctx if r * c <= 40960]  # KV read; fits the pool
     g += [GridStep(r, c, tuple(p)) for r, c, p in mixed]
     g += [GridStep(r, c, (), p) for r, p, c in padded]
     return g
 
 
+# CPU GEMM time is jagged at small row counts (on a 2-core AVX-512 CPU a decode step of 3 rows took 67 ms,
+# of 4 rows 50 ms, of 8 rows 47 ms, of 9 rows 60 ms: odd row counts take another kernel path) and smooth past
+# about 20 rows, so the body is measured at every row count up to 20 and its table has a knot at each
 FULL_GRID = _grid(
     prefill_sizes=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536, 2048),
     multi=((4, 16), (8, 32), (16, 64), (4, 128), (8, 128), (3, 384), (2, 512), (4, 512)),
     cached=((32, 1024), (128, 512), (256, 1024), (512, 512), (64, 256), (1024, 1024)),
-    decode_rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
-    decode_ctx=(48, 320, 1024),
+    body_rows=tuple(range(1, 21)) + (24, 28, 32, 40, 48, 56, 64),
+    ctx_rows=(1, 2, 4, 8, 16, 32, 64),
+    decode_ctx=(320, 1024),
     mixed=((8, 256, [(128, 0)]), (32, 384, [(256, 0)]), (16, 512, [(512, 0)]), (4, 128, [(896, 0)]),
            (48, 256, [(64, 0)]), (16, 256, [(256, 512)]), (24, 200, [(32, 0), (32, 0)]),
-           (64, 300, [(128, 0), (64, 0)])),
-    padded=((8, 24, 256), (1, 31, 128), (32, 32, 400), (4, 4, 64), (16, 16, 160)),
+           (64, 300, [(128, 0), (64, 0)]), (2, 300, [(23, 0)]), (4, 200, [(32, 0)]), (1, 400, [(64, 0)]),
+           (8, 150, [(8, 0)]), (12, 300, [(200, 0), (100, 0), (50, 0)])),
+    padded=((8, 24, 256), (1, 31, 128), (32, 32, 400), (4, 4, 64), (16, 16, 160), (3, 5, 300)),
 )
 QUICK_GRID = _grid(
     prefill_sizes=(8, 32, 128, 512, 1024),
     multi=((4, 32), (4, 128)),
     cached=((64, 512), (256, 256)),
-    decode_rows=(1, 4, 16, 32, 64),
-    decode_ctx=(64, 512),
-    mixed=((8, 256, [(128, 0)]), (32, 256, [(256, 0)])),
+    body_rows=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64),
+    ctx_rows=(4, 32),
+    decode_ctx=(512,),
+    mixed=((8, 256, [(128, 0)]), (32, 256, [(256, 0)]), (2, 300, [(23, 0)])),
     padded=((8, 24, 256),),
 )
-KNOTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 1536, 2048)
+KNOTS = tuple(range(1, 21)) + (24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 LM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -89,15 +97,22 @@ def timed(fn: Callable[[], object], repeats: int = 3) -> tuple[float, float]:
 
 
 def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOutput:
-    """The ``SchedulerOutput`` of ``step``: every sequence on its own blocks (taken round-robin from the pool),
-    decode rows and prefill chunks sampled, padding rows on ``PAD_BLOCK`` (the executor's scratch block)."""
+    """The ``SchedulerOutput`` of ``step``: every sequence on its own blocks, decode rows and prefill chunks
+    sampled, padding rows on ``PAD_BLOCK`` (the executor's scratch block). Blocks are taken in a fixed shuffled
+    order of the pool (seed 0), as a running engine's free queue hands them out once requests have come and
+    gone: scattered KV reads cost measurably more than contiguous ones (5-10% on a decode batch of 8-32 rows,
+    measured on a 2-core AVX-512 CPU)."""
+    import random
+
     sp = SamplingParams(max_tokens=1, temperature=0)
     seqs, nxt = [], 0
+    order = list(range(num_blocks))
+    random.Random(0).shuffle(order)
 
     def blocks(n_tokens):
         nonlocal nxt
         nb = -(-n_tokens // block_size)
-        ids = [(nxt + i) % num_blocks for i in range(nb)]
+        ids = [order[(nxt + i) % num_blocks] for i in range(nb)]
         nxt += nb
         return ids
 
@@ -116,20 +131,37 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
                  progress: Callable[[], None] | None = None) -> list[tuple[dict, float, float]]:
     """Time ``executor`` on every grid step; returns ``(features, median seconds, relative spread)`` rows.
 
+    The grid is timed in ``repeats`` passes, each over every step in its own shuffled order (seeded), one timed
+    run per step and pass (the first pass runs each step once untimed before): a slow phase of the machine
+    (its speed drifts 20-30% within minutes here) then lands on a few steps' single runs instead of on all the
+    runs of a few steps, and the median across passes discards it.
+
     Raises:
         ValueError: the KV pool is too small for the largest grid step.
     """
+    import random
+
     bs, nb = executor.kv.block_size, executor.kv.num_blocks
     need = max(-(-s.kv_tokens // bs) + len(s.prefills) + s.decode_rows for s in grid)
     if need > nb:
         raise ValueError(f"profile grid needs {need} KV blocks, the pool has {nb}")
+    batches = [grid_batch(step, bs, nb) for step in grid]
+    times: list[list[float]] = [[] for _ in grid]
+    for rep in range(repeats):
+        order = list(range(len(grid)))
+        random.Random(rep).shuffle(order)
+        for i in order:
+            if rep == 0:
+                executor.execute(batches[i])  # warm-up: first-call allocations of this shape
+            t0 = time.perf_counter()
+            executor.execute(batches[i])
+            times[i].append(time.perf_counter() - t0)
+            if progress and rep == repeats - 1:
+                progress()
     rows = []
-    for step in grid:
-        out = grid_batch(step, bs, nb)
-        t, cv = timed(lambda: executor.execute(out), repeats)
-        rows.append((step_features(out.seqs), t, cv))
-        if progress:
-            progress()
+    for b, ts in zip(batches, times):
+        cv = statistics.stdev(ts) / statistics.fmean(ts) if len(ts) > 1 else 0.0
+        rows.append((step_features(b.seqs), statistics.median(ts), cv))
     return rows
 
 
@@ -191,13 +223,12 @@ def fit_table_model(rows: list[tuple[dict, float]], lm_table: list[list[float]],
                     knots: tuple[int, ...] = KNOTS) -> CostModel:
     """Fit ``B``'s knot values and the linear terms (``TABLE_FEATURES``) of a table cost model on measured
     ``(features, seconds)`` rows, after subtracting the measured LM head time: relative-error NNLS.
-    Knots past the largest measured token count are dropped (``B`` extrapolates its last segment)."""
+    ``B`` has a knot at each of ``knots`` that some row's token count equals, and one at the largest token
+    count (past it ``B`` extrapolates its last segment)."""
     import numpy as np
 
-    top = max(f["tokens"] for f, _ in rows)
-    ks = [k for k in knots if k <= top] or [top]
-    if ks[-1] < top:
-        ks.append(top)
+    measured = {f["tokens"] for f, _ in rows}
+    ks = sorted({k for k in knots if k in measured} | {max(measured)})  # a knot no step measured is not fitted
     lm = CostModel({}, lm_table=lm_table, body_table=[[1, 0.0]])
     x, y = [], []
     for f, t in rows:
@@ -260,22 +291,19 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     return cm
 
 
-# fixed probe steps timed before each real engine run (machine drift against the profile); a few seconds
-PROBE_GRID = (GridStep(1, 64), GridStep(16, 256), GridStep(64, 256), GridStep(prefills=((256, 0),)),
-              GridStep(8, 256, ((128, 0),)))
+# fixed probe steps timed before and after each real engine run (machine drift against the profile): decode
+# batches from 1 to 48 rows, a prefill and a mixed step; about 3 s on a 2-core CPU
+PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48, 128), GridStep(prefills=((128, 0),)),
+              GridStep(8, 256, ((64, 0),)))
 
 
 def speed_probe(executor, repeats: int = 3) -> list[dict]:
-    """Time ``PROBE_GRID`` on ``executor``: ``[{"features", "seconds"}]`` (median of ``repeats`` after a
-    warm-up). Uses the pool's first blocks: run it before the engine holds any."""
+    """Time ``PROBE_GRID`` on ``executor`` (``profile_rows``: ``repeats`` shuffled passes, medians):
+    ``[{"features", "seconds"}]``; steps the KV pool cannot hold are left out. Writes the pool's KV blocks: run
+    it when no request holds any."""
     bs, nb = executor.kv.block_size, executor.kv.num_blocks
-    out = []
-    for step in PROBE_GRID:
-        if -(-step.kv_tokens // bs) + 4 > nb:
-            continue
-        batch = grid_batch(step, bs, nb)
-        out.append({"features": step_features(batch.seqs), "seconds": median_time(lambda: executor.execute(batch), repeats)})
-    return out
+    grid = [s for s in PROBE_GRID if -(-s.kv_tokens // bs) + len(s.prefills) + s.decode_rows <= nb]
+    return [{"features": f, "seconds": t} for f, t, _ in profile_rows(executor, grid, repeats)] if grid else []
 
 
 def probe_ratio(cost_model: CostModel, probes: list[dict]) -> float | None:

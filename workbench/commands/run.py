@@ -77,8 +77,10 @@ def print_summary(name: str, results: dict) -> None:
             print(f"sim {n} {summary_line(err)}")
         d = e.get("drift")
         if d and d.get("speed_ratio") is not None:
-            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x the profile's times"
-                  + (" (rescaled)" if d["rescaled"] else f" (within {d['margin']:.0%}: not rescaled)"))
+            how = ("rescaled" if d["rescaled"] else
+                   f"not rescaled: beyond {d['max']:g}x, the profile does not describe this machine"
+                   if d.get("beyond_max") else f"within {d['margin']:.0%}: not rescaled")
+            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x the profile's times ({how})")
     errs = [abs(v) for e in results["engines"].values() for v in
             [((e["summary"].get("sim_error") or {}).get("dist") or {}).get("output_throughput")] if v is not None]
     if any(v > SIM_ERROR_NOTE for v in errs):

@@ -1,0 +1,112 @@
+"""cost_model: auto and named profiles: the fingerprint decides which profile a sim engine may use, a missing
+profile is measured once (also by concurrent processes) and cached, and the run records which one it used."""
+
+import threading
+import warnings
+
+import pytest
+
+from engines.sim.cost_model import CostModel
+from workbench import calibration
+from workbench.calibration import ProfileMismatchError, check_profile, ensure_profile, fingerprint, profile_path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_fingerprint_names_machine_and_computation(tiny_llama_dir):
+    fp = fingerprint("tiny", tiny_llama_dir)
+    assert fp["model"] == "tiny" and fp["dtype"] == fp["weight_dtype"] == "float32"
+    assert fp["threads"] >= 1 and fp["cpu_capability"] and fp["torch"] and fp["attention"] in ("cpp", "torch")
+    assert fingerprint("tiny", tiny_llama_dir, threads=fp["threads"] + 1) != fp
+    assert fingerprint("tiny", tiny_llama_dir) == fp  # deterministic: the cache key is stable
+
+
+def test_profile_of_another_model_is_refused_and_another_machine_warns(tiny_llama_dir):
+    fp = fingerprint("tiny", tiny_llama_dir)
+    cm = CostModel({"const": 0.01}, fingerprint={**fp, "model": "other"})
+    with pytest.raises(ProfileMismatchError, match="engine s: .*model other != tiny"):
+        check_profile(cm, fp, "engine s")
+    cm.fingerprint = {**fp, "dtype": "bfloat16", "weight_dtype": "bfloat16"}
+    with pytest.raises(ProfileMismatchError, match="dtype bfloat16 != float32"):
+        check_profile(cm, fp, "engine s")
+    cm.fingerprint = {**fp, "cpu": "Other CPU", "threads": 99}
+    assert check_profile(cm, fp, "engine s") == ["cpu", "threads"]
+    cm.fingerprint = dict(fp)
+    assert check_profile(cm, fp, "engine s") == []
+
+
+def test_auto_measures_once_then_reads_the_cache_even_from_concurrent_callers(cache, tiny_llama_dir, monkeypatch):
+    calls = []
+
+    def fake_measure(model_dir, fp, quick=False, progress=None, **_):
+        calls.append(fp)
+        import time
+
+        time.sleep(0.2)  # long enough for the other thread to wait on the lock
+        return CostModel({"const": 0.01}, fingerprint=fp, created="now")
+
+    monkeypatch.setattr(calibration, "measure_profile", fake_measure)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(ensure_profile("tiny", tiny_llama_dir))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    fp = fingerprint("tiny", tiny_llama_dir)
+    assert {str(p) for _, p in got} == {str(profile_path(fp))}
+    assert profile_path(fp).parent == cache / "profiles"
+    cm, _ = ensure_profile("tiny", tiny_llama_dir)
+    assert len(calls) == 1 and cm.fingerprint == fp and cm.coef == {"const": 0.01}
+
+
+def test_run_uses_auto_profile_and_records_it(cache, tiny_llama_dir, tmp_path, monkeypatch):
+    import yaml
+
+    from workbench.runner import run_scenario
+    from workbench.scenario import load_scenario
+
+    def fake_measure(model_dir, fp, quick=False, progress=None, **_):
+        return CostModel({"const": 0.002, "tokens": 1e-4}, fingerprint=fp, created="2026-12-01T00:00:00")
+
+    monkeypatch.setattr(calibration, "measure_profile", fake_measure)
+    sc = {"name": "auto", "model": str(tiny_llama_dir), "trace": {"format": "synthetic", "synthetic": {
+        "num_requests": 4, "request_rate": 50.0, "input_range": [8, 20], "output_range": [2, 4]}},
+        "engines": [{"name": "sim-paged", "kind": "sim", "kv_cache_tokens": 256, "max_model_len": 64}]}
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(sc))
+    scenario = load_scenario(p)
+    assert scenario.engines[0].cost_model == "auto"
+    res = run_scenario(scenario, tmp_path / "out", plots=False)
+    prof = res["engines"]["sim-paged"]["profile"]
+    assert prof["fingerprint"]["model"] == str(tiny_llama_dir) and prof["created"] == "2026-12-01T00:00:00"
+    assert prof["path"].startswith(str(cache / "profiles")) and res["profile"] == prof
+    assert res["engines"]["sim-paged"]["drift"] is None  # no real engine in the run: nothing probed
+
+
+def test_named_profile_of_another_machine_warns_and_of_another_model_fails(tiny_llama_dir, tmp_path):
+    import yaml
+
+    from workbench.runner import load_cost_model
+    from workbench.scenario import load_scenario
+
+    fp = fingerprint(str(tiny_llama_dir), tiny_llama_dir)
+    CostModel({"const": 0.01}, fingerprint={**fp, "cpu": "Some Other CPU"}).save(tmp_path / "other-cpu.json")
+    CostModel({"const": 0.01}, fingerprint={**fp, "model_config_sha256": "0" * 16}).save(tmp_path / "other-model.json")
+    sc = {"name": "n", "model": str(tiny_llama_dir), "trace": {"format": "synthetic", "synthetic": {"num_requests": 2, "request_rate": 1.0}},
+          "engines": [{"name": "a", "kind": "sim", "cost_model": "other-cpu.json"},
+                      {"name": "b", "kind": "sim", "cost_model": "other-model.json"}]}
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(sc))
+    scenario = load_scenario(p)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        load_cost_model(scenario, scenario.engines[0], tiny_llama_dir)
+    assert any("profile from another machine or setup (differs in cpu" in str(x.message) for x in w)
+    with pytest.raises(ValueError, match="engine b: cost_model other-model.json: the profile measured another "
+                                         "computation \\(model_config_sha256"):
+        load_cost_model(scenario, scenario.engines[1], tiny_llama_dir)

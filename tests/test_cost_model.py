@@ -1,0 +1,99 @@
+"""The measured (table) cost model: step shapes, the joint NNLS fit of the body table and the attention terms,
+engine overhead, seeded step noise, and the probe ratio that detects drift."""
+
+import statistics
+
+import pytest
+
+from engines.core.sampling_params import SamplingParams
+from engines.core.scheduler import ScheduledSeq
+from engines.core.step_shape import StepShape
+from engines.sim.cost_model import CostModel, hat_weights, shape_features, step_features
+from engines.sim.profiler import FULL_GRID, GridStep, fit_table_model, grid_batch, probe_ratio
+
+SP = SamplingParams(max_tokens=4, temperature=0)
+
+
+def test_step_shape_counts_each_kind_of_row():
+    seqs = [ScheduledSeq("d", [5], 99, [0] * 7, True, SP),                       # decode at context 100
+            ScheduledSeq("pad", [0], 99, [0] * 7, False, SP, is_padding=True),  # padding row at 100
+            ScheduledSeq("p", [5] * 30, 0, [1, 2], True, SP),                     # fresh prefill of 30
+            ScheduledSeq("c", [5] * 10, 64, [3] * 5, False, SP,                   # chunk after 64 cached
+                         fork_ids=["c1"], fork_params=[SP])]
+    s = StepShape.of(seqs)
+    assert (s.tokens, s.decode_rows, s.padding_rows, s.decode_ctx) == (42, 1, 1, 200)
+    assert (s.prefill_seqs, s.prefill_tokens, s.prefill_attn, s.prefill_ctx) == (2, 40, 30 * 30 + 10 * 74, 640)
+    assert s.sampled == 2 and s.kind == "mixed"
+    f = step_features(seqs)
+    assert f["rows"] == 2 and f["const"] == 1 and f["tokens"] == 42
+    assert StepShape.of(seqs[:2]).kind == "padded" and StepShape.of(seqs[:1]).kind == "decode"
+    assert StepShape.of(seqs[2:3]).kind == "prefill" and StepShape.of([]).kind == "empty"
+
+
+def test_hat_weights_interpolate_and_extrapolate():
+    knots = [1, 2, 4, 8]
+    assert hat_weights(knots, 3) == [0, 0.5, 0.5, 0]
+    assert hat_weights(knots, 0.5) == [0.5, 0, 0, 0]
+    assert hat_weights(knots, 12) == [0, 0, -1.0, 2.0]  # the last segment, extended
+    assert hat_weights(knots, 0) == [0, 0, 0, 0]
+
+
+def _true_model():
+    body = [[k, 0.02 + 0.0015 * k + (0.004 if k >= 48 else 0.0)] for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
+    lm = [[1, 0.003], [8, 0.004], [64, 0.02], [128, 0.04]]
+    coef = {"rows": 2e-4, "decode_ctx": 1.5e-6, "prefill_seqs": 2e-3, "prefill_attn": 2e-7, "prefill_ctx": 1e-7,
+            "sampled": 5e-5}
+    return CostModel(coef, body_table=body, lm_table=lm)
+
+
+def test_table_fit_recovers_a_known_model_on_the_profile_grid():
+    true = _true_model()
+    rows = []
+    for step in FULL_GRID:
+        f = step_features(grid_batch(step, 16, 8192).seqs)
+        rows.append((f, true.predict_exec(f)))
+    cm = fit_table_model(rows, true.lm_table)
+    errs = [abs(cm.predict_exec(f) - t) / t for f, t in rows]
+    assert max(errs) < 1e-6
+    for k in ("decode_ctx", "prefill_ctx"):  # identified apart from the body table by the grid's context sweeps
+        assert cm.coef[k] == pytest.approx(true.coef[k], rel=1e-3), k
+    # off the grid: a multi-prompt prefill and a mixed step the fit never saw
+    for step in (GridStep(prefills=((300, 0), (200, 0), (40, 0))), GridStep(20, 700, ((100, 300),))):
+        f = step_features(grid_batch(step, 16, 8192).seqs)
+        assert cm.predict_exec(f) == pytest.approx(true.predict_exec(f), rel=0.02)
+
+
+def test_overhead_noise_and_speed_scale():
+    cm = _true_model()
+    cm.overhead = {"const": 1e-4, "per_seq": 1e-6}
+    f = shape_features(StepShape(tokens=8, decode_rows=8, decode_ctx=800, sampled=8))
+    assert cm.predict_features(f) == pytest.approx(cm.predict_exec(f) + 1e-4 + 8e-6)
+    base = cm.predict_exec(f)
+    cm.speed_scale = 1.25
+    assert cm.predict_exec(f) == pytest.approx(1.25 * base)
+    cm.noise_cv = 0.05
+    assert cm.noise(None) is None
+    a, b = cm.noise(7), cm.noise(7)
+    draws = [a() for _ in range(4000)]
+    assert draws[:5] == [b() for _ in range(5)]  # seeded: the same draws
+    assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.005)
+    assert statistics.stdev(draws) == pytest.approx(0.05, rel=0.1)
+
+
+def test_probe_ratio_is_the_geometric_mean_of_measured_over_predicted():
+    cm = _true_model()
+    probes = []
+    for step, factor in ((GridStep(1, 64), 1.1), (GridStep(16, 256), 1.21)):
+        f = step_features(grid_batch(step, 16, 1024).seqs)
+        probes.append({"features": f, "seconds": factor * cm.predict_exec(f)})
+    assert probe_ratio(cm, probes) == pytest.approx(1.1 ** 1.5)
+    assert probe_ratio(cm, []) is None
+
+
+def test_profile_round_trip_keeps_tables_overhead_noise_and_fingerprint(tmp_path):
+    cm = _true_model()
+    cm.overhead, cm.noise_cv, cm.fingerprint, cm.created = {"const": 1e-4, "per_seq": 0.0}, 0.03, {"model": "m"}, "t"
+    cm.save(tmp_path / "p.json")
+    back = CostModel.load(tmp_path / "p.json")
+    assert (back.body_table, back.lm_table, back.overhead, back.noise_cv, back.fingerprint, back.created) == (
+        cm.body_table, cm.lm_table, cm.overhead, 0.03, {"model": "m"}, "t")
