@@ -38,7 +38,7 @@ def test_report_renders_in_headless_chromium(tmp_path, tiny_llama_dir):
          "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=120).stdout
     attrs = dict(re.findall(r'data-([a-z-]+)="(\d+)"', dom))
-    assert attrs.get("images-total") == "5", dom[:500]
-    assert attrs.get("images-rendered") == "5"
+    assert attrs.get("images-total") == "6", dom[:500]  # 5 run plots + the sim-vs-real fidelity plot
+    assert attrs.get("images-rendered") == "6"
     assert int(attrs.get("table-rows", 0)) >= 3  # 2 summary rows + 1 sim-error row
     assert "Simulator vs real" in dom and "<table>" in dom

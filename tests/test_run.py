@@ -85,7 +85,8 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
     saved = json.loads((out / "results.json").read_text())
     assert saved["scenario_hash"] and "tpot_ms" in saved["formulas"] and saved["versions"]["torch"]
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 5 and "<table>" in html and "Simulator vs real" in html
+    assert html.count("data:image/png;base64,") == 6 and "<table>" in html and "Simulator vs real" in html
+    assert (out / "sim_fidelity.png").read_bytes()[:4] == b"\x89PNG"  # real vs sim CDFs and per-request E2EL
     for png in ("throughput.png", "latency_cdf.png", "kv_usage.png", "kv_waste.png", "batch_preemptions.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 

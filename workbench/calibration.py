@@ -1,7 +1,8 @@
 """Per-machine calibration of the simulator: ``cost_model: auto`` finds or measures this machine's profile.
 
 A profile is valid for one *fingerprint*: CPU model and ISA flags, torch's CPU kernel level, torch threads,
-torch version, the model (name and a hash of its config), dtype, weight dtype and attention kernels. Profiles
+torch version, the model (name and a hash of its config), dtype, weight dtype, attention kernels and the
+profile format (``engines.sim.cost_model.PROFILE_FORMAT``). Profiles
 live in ``$WORKBENCH_CACHE/profiles/<model>-<key>.json`` (``key``: the first 16 hex digits of the
 fingerprint's sha256); ``workbench profile`` writes the same files. Block size is a feature of the cost model
 (each step's KV read), not of the fingerprint, so a block-size sweep calibrates once. A file lock makes
@@ -21,13 +22,13 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from engines.sim.cost_model import CostModel
+from engines.sim.cost_model import PROFILE_FORMAT, CostModel
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # fingerprint fields that decide what computation was measured (a mismatch refuses the profile) ...
 COMPUTATION_FIELDS = ("model", "model_config_sha256", "dtype", "weight_dtype")
 # ... and the machine's (a mismatch warns: a profile of another machine predicts another speed)
-MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention")
+MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention", "profile_format")
 
 
 class ProfileMismatchError(ValueError):
@@ -78,7 +79,7 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     return {"cpu": cpu_name(), "isa": _cpu_flags(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
             "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype, "weight_dtype": dtype,
-            "attention": attention}
+            "attention": attention, "profile_format": PROFILE_FORMAT}
 
 
 def profile_key(fp: dict) -> str:

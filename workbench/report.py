@@ -118,7 +118,40 @@ def make_plots(results: dict, frames: dict[str, tuple[pd.DataFrame, pd.DataFrame
     if any(summ[n].get("prefix_cache_hits", 0) or summ[n].get("num_preemptions_swap", 0)
            or summ[n].get("kv_shared_saved_mean", 0) for n in names):  # the memory-management panels, when there is something to show
         plots["memory_management.png"] = memory_plot(names, summ)
+    pairs = [(n, summ[n]["sim_error"]["real_engine"]) for n in names if summ[n].get("sim_error")]
+    if pairs:
+        plots["sim_fidelity.png"] = fidelity_plot(pairs, frames)
     return plots
+
+
+def fidelity_plot(pairs: list[tuple[str, str]], frames: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> bytes:
+    """One row per (sim engine, real engine) pair: TTFT and E2EL CDFs of both overlaid, and each request's
+    simulated E2EL against its real E2EL (matched by id; the diagonal is a perfect simulator). The real side is
+    the engine's first run."""
+    fig, axes = plt.subplots(len(pairs), 3, figsize=(12, 3.2 * len(pairs)), squeeze=False)
+    for row, (sim, real) in zip(axes, pairs):
+        fs, fr = frames[sim][0], frames[real][0]
+        for ax, col in zip(row[:2], ("ttft_ms", "e2el_ms")):
+            for name, f, style in ((real, fr, "-"), (sim, fs, "--")):
+                v = np.sort(f[col].dropna().to_numpy(dtype=float))
+                if v.size:
+                    ax.plot(v, np.arange(1, v.size + 1) / v.size, style, label=name)
+            ax.set_xlabel(col.replace("_ms", " (ms)").upper())
+            ax.set_ylabel("CDF")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        m = fr[["request_id", "e2el_ms"]].merge(fs[["request_id", "e2el_ms"]], on="request_id",
+                                                 suffixes=("_real", "_sim")).dropna()
+        ax = row[2]
+        ax.scatter(m["e2el_ms_real"], m["e2el_ms_sim"], s=8)
+        if len(m):
+            hi = float(max(m["e2el_ms_real"].max(), m["e2el_ms_sim"].max()))
+            ax.plot([0, hi], [0, hi], "k:", lw=1)
+        ax.set_xlabel(f"{real} E2EL (ms)")
+        ax.set_ylabel(f"{sim} E2EL (ms)")
+        ax.set_title("per request", fontsize=9)
+        ax.grid(alpha=0.3)
+    return _png(fig)
 
 
 def memory_plot(names: list[str], summ: dict) -> bytes:

@@ -108,6 +108,7 @@ class StepRecord:
     prefill_attn: int = 0
     prefill_ctx: int = 0
     num_sampled: int = 0
+    padding_ctx: int = 0
     overhead: float = 0.0
 
     @property
@@ -115,7 +116,7 @@ class StepRecord:
         """The step's ``StepShape``, rebuilt from the recorded fields."""
         return StepShape(self.num_tokens, self.num_decode_tokens, self.num_padding_seqs, self.decode_ctx,
                          self.num_prefill_seqs, self.num_prefill_tokens, self.prefill_attn, self.prefill_ctx,
-                         self.num_sampled)
+                         self.num_sampled, self.padding_ctx)
 
 
 class LLMEngine:
@@ -290,6 +291,7 @@ class LLMEngine:
                 prefill_attn=shape.prefill_attn,
                 prefill_ctx=shape.prefill_ctx,
                 num_sampled=shape.sampled,
+                padding_ctx=shape.padding_ctx,
                 **self._memory_fields(out),
             )
         )

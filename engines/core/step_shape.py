@@ -18,6 +18,8 @@ class StepShape:
         decode_rows: live decode rows (one token each, after a cached context).
         padding_rows: static-batching padding rows (decode rows at their batch's length, never sampled).
         decode_ctx: sum of the context lengths (tokens) that decode and padding rows attend to: KV read.
+        padding_ctx: the padding rows' part of ``decode_ctx`` (they read the one scratch block over and over,
+            which stays in cache: cheaper than a live row's KV read).
         prefill_seqs: prefill chunks in the step (attention is run per chunk over its block table).
         prefill_tokens: tokens of those chunks.
         prefill_attn: sum over chunks of n * (start + n): query x key pairs (causal work up to a factor 2).
@@ -36,11 +38,12 @@ class StepShape:
     prefill_attn: int = 0
     prefill_ctx: int = 0
     sampled: int = 0
+    padding_ctx: int = 0
 
     @classmethod
     def of(cls, seqs) -> "StepShape":
         """The shape of a step that runs ``seqs`` (``ScheduledSeq``)."""
-        tokens = decode_rows = padding = decode_ctx = pseqs = ptok = pattn = pctx = sampled = 0
+        tokens = decode_rows = padding = decode_ctx = pseqs = ptok = pattn = pctx = sampled = pad_ctx = 0
         for s in seqs:
             n = s.num_tokens
             tokens += n
@@ -48,6 +51,7 @@ class StepShape:
                 decode_ctx += s.start_pos + 1
                 if s.is_padding:
                     padding += 1
+                    pad_ctx += s.start_pos + 1
                 else:
                     decode_rows += 1
             else:
@@ -57,7 +61,7 @@ class StepShape:
                 pctx += n * s.start_pos
             if s.sample and not s.is_padding:
                 sampled += 1 + len(s.fork_ids)
-        return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled)
+        return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled, pad_ctx)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -2,8 +2,8 @@
 
 A step's shape is ``engines.core.step_shape.StepShape``. A measured (table) cost model predicts::
 
-    t_exec = B(tokens) + L(sampled) + c_row * (decode_rows + padding_rows) + c_ctx * decode_ctx
-             + c_seq * prefill_seqs + c_attn * prefill_attn + c_pctx * prefill_ctx + c_samp * sampled
+    t_exec = B(tokens) + L(sampled) + c_row * (decode_rows + padding_rows) + c_ctx * live_ctx
+             + c_pad * padding_ctx + c_seq * prefill_seqs + c_attn * prefill_attn + c_pctx * prefill_ctx + c_samp * sampled
     t_step = t_exec + o_const + o_seq * num_seqs
 
 * ``B(tokens)``: the model body's GEMMs (every row: prefill tokens, decode and padding rows), embedding,
@@ -11,7 +11,9 @@ A step's shape is ``engines.core.step_shape.StepShape``. A measured (table) cost
   count (knots at the profiled token counts, linear past the last one): CPU GEMM time is far from linear
   at small batches, where reading the weights dominates.
 * ``L(sampled)``: the LM head (``[rows, hidden] x [hidden, vocab]``), measured on its own per row count.
-* decode attention reads each row's KV (``decode_ctx``) and costs a little per row; prefill attention is run
+* decode attention reads each live row's KV (``live_ctx``: the live rows' share of ``decode_ctx``) and costs a
+  little per row; a static padding row reads the one scratch block over and over (``padding_ctx``), which
+  stays in cache; prefill attention is run
   per chunk (``prefill_seqs``), over query x key pairs (``prefill_attn``), and a chunk after cached tokens
   reads them from the paged cache (``prefill_ctx``); ``sampled`` charges the sampler.
 * ``o_const + o_seq * num_seqs``: the engine's own CPU work around the executor (scheduling, updating
@@ -41,13 +43,14 @@ from pathlib import Path
 from engines.core.step_shape import StepShape
 
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
+PROFILE_FORMAT = 2  # the measured features and grid; a profile cached under another format is measured anew
 # linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
-TABLE_FEATURES = ("rows", "decode_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx", "sampled")
+TABLE_FEATURES = ("rows", "live_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx", "sampled")
 
 
 def step_features(seqs) -> dict[str, float]:
     """Features of one step from its scheduled sequences (``ScheduledSeq``): the ``StepShape`` fields, plus
-    ``const`` (1) and ``rows`` (decode + padding rows)."""
+    ``const`` (1), ``rows`` (decode + padding rows) and ``live_ctx`` (the live decode rows' part of ``decode_ctx``)."""
     return shape_features(StepShape.of(seqs))
 
 
@@ -56,6 +59,7 @@ def shape_features(shape: StepShape) -> dict[str, float]:
     f = {k: float(v) for k, v in shape.as_dict().items()}
     f["const"] = 1.0
     f["rows"] = float(shape.decode_rows + shape.padding_rows)
+    f["live_ctx"] = float(shape.decode_ctx - shape.padding_ctx)
     return f
 
 
@@ -147,7 +151,11 @@ class CostModel:
         p = Path(path)
         try:
             d = json.loads(p.read_text())
-            return cls(coef={k: float(v) for k, v in d["coef"].items()}, source=d.get("source", str(p)),
+            coef = {k: float(v) for k, v in d["coef"].items()}
+            if d.get("body_table") and "decode_ctx" in coef and "live_ctx" not in coef:
+                # a table profile from before live and padding rows were told apart: one KV-read rate for both
+                coef["live_ctx"] = coef["padding_ctx"] = coef.pop("decode_ctx")
+            return cls(coef=coef, source=d.get("source", str(p)),
                        fit_error=d.get("fit_error", {}), body_table=d.get("body_table", []),
                        lm_table=d.get("lm_table", []), overhead=d.get("overhead", {}),
                        noise_cv=float(d.get("noise_cv", 0.0)), fingerprint=d.get("fingerprint", {}),

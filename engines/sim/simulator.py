@@ -123,9 +123,10 @@ def make_sim_engine(scheduler: Scheduler, cost_model: CostModel, block_bytes: in
                     swap_bandwidth_bytes_per_s: float = DEFAULT_SWAP_BANDWIDTH, seed: int | None = None) -> LLMEngine:
     """An ``LLMEngine`` over ``scheduler`` whose executor is the cost model on a virtual clock (the
     simulator's executor and clock around any policy; ``engines.factory.build_engine`` builds whole sim
-    engines, policy included, from an engine description)."""
+    engines, policy included, from an engine description). ``seed``: draws of the cost model's step noise
+    (``CostModel.noise_cv``; None: none)."""
     clock = VirtualClock()
-    ex = CostModelExecutor(cost_model, clock, block_bytes, swap_bandwidth_bytes_per_s)
+    ex = CostModelExecutor(cost_model, clock, block_bytes, swap_bandwidth_bytes_per_s, seed)
     return LLMEngine(scheduler, ex, tokenizer=None, clock=clock)
 
 
