@@ -23,7 +23,9 @@ def test_step_shape_counts_each_kind_of_row():
     s = StepShape.of(seqs)
     assert (s.tokens, s.decode_rows, s.padding_rows, s.decode_ctx) == (42, 1, 1, 200)
     assert (s.prefill_seqs, s.prefill_tokens, s.prefill_attn, s.prefill_ctx) == (2, 40, 30 * 30 + 10 * 74, 640)
-    assert s.padding_ctx == 100
+    assert s.padding_ctx == 100 and s.scattered_ctx == 100  # block 0 seven times: no neighbour is the next id
+    scattered = StepShape.of([ScheduledSeq("d", [5], 63, [4, 5, 9, 10], True, SP)])  # one break of 3 neighbours
+    assert scattered.scattered_ctx == pytest.approx(64 / 3)
     assert s.sampled == 2 and s.kind == "mixed"
     f = step_features(seqs)
     assert f["rows"] == 2 and f["const"] == 1 and f["tokens"] == 42 and f["live_ctx"] == 100
@@ -42,7 +44,7 @@ def test_hat_weights_interpolate_and_extrapolate():
 def _true_model():
     body = [[k, 0.02 + 0.0015 * k + (0.004 if k >= 48 else 0.0)] for k in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
     lm = [[1, 0.003], [8, 0.004], [64, 0.02], [128, 0.04]]
-    coef = {"rows": 2e-4, "live_ctx": 1.5e-6, "padding_ctx": 4e-7, "prefill_seqs": 2e-3, "prefill_attn": 2e-7, "prefill_ctx": 1e-7,
+    coef = {"rows": 2e-4, "live_ctx": 1.5e-6, "scattered_ctx": 3e-7, "padding_ctx": 4e-7, "prefill_seqs": 2e-3, "prefill_attn": 2e-7, "prefill_ctx": 1e-7,
             "sampled": 5e-5}
     return CostModel(coef, body_table=body, lm_table=lm)
 
@@ -56,7 +58,7 @@ def test_table_fit_recovers_a_known_model_on_the_profile_grid():
     cm = fit_table_model(rows, true.lm_table)
     errs = [abs(cm.predict_exec(f) - t) / t for f, t in rows]
     assert max(errs) < 1e-6
-    for k in ("live_ctx", "padding_ctx", "prefill_ctx"):  # identified apart from the body table by the context sweeps
+    for k in ("live_ctx", "scattered_ctx", "padding_ctx", "prefill_ctx"):  # identified apart from the body table by the context sweeps
         assert cm.coef[k] == pytest.approx(true.coef[k], rel=1e-3), k
     # off the grid: a multi-prompt prefill and a mixed step the fit never saw
     for step in (GridStep(prefills=((300, 0), (200, 0), (40, 0))), GridStep(20, 700, ((100, 300),))):

@@ -266,7 +266,7 @@ COMMITTED_HASHES = {
     # committed builtin:ci-reference profile, prefix-sharing and chunked-prefill gained a static engine and its twin
     "scenarios/azure-code.yaml": "64ec2e6d6c2400c4",
     "scenarios/chunked-prefill.yaml": "de506d622d074c45",
-    "scenarios/ci-fidelity.yaml": "8ec7f46f445b6d98",
+    "scenarios/ci-fidelity.yaml": "8ca445275077c090",
     "scenarios/ci-real.yaml": "5b5166807eeb6a4d",
     "scenarios/ci-sim.yaml": "48cbf7ef2d9911f3",
     "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",

@@ -149,4 +149,4 @@ def test_step_features():
     f = step_features(seqs)
     assert f == {"const": 1.0, "tokens": 11, "decode_ctx": 100, "prefill_attn": 300, "prefill_ctx": 200, "sampled": 1,
                  "decode_rows": 1, "padding_rows": 0, "prefill_seqs": 1, "prefill_tokens": 10, "rows": 1,
-                 "padding_ctx": 0, "live_ctx": 100}
+                 "padding_ctx": 0, "live_ctx": 100, "scattered_ctx": 0.0}

@@ -286,6 +286,25 @@ def run_ray(scenario_path: str, points: list[Point], out: Path, jobs: int, addre
             ray.shutdown()
 
 
+def calibrate_points(scenario_path: str, points: list[Point]) -> None:
+    """Measure (or find cached) this machine's profile of every ``cost_model: auto`` sim engine the points run,
+    here, before the points fan out to single-threaded workers; the workers find it by fingerprint, which names
+    the thread count the real engines run with (``WORKBENCH_PROFILE_THREADS``, which :func:`run_sweep` sets for
+    them)."""
+    from workbench.calibration import ensure_profile
+    from workbench.scenario import AUTO
+
+    done = set()
+    for p in points:
+        sc = point_scenario(scenario_path, p.overrides, p.engine)
+        for spec in sc.engines:
+            if spec.kind == "sim" and spec.cost_model == AUTO and (sc.model, spec.dtype) not in done:
+                from engines.real.model_store import resolve_model
+
+                ensure_profile(sc.model, resolve_model(sc.model), spec.dtype, echo=_log)
+                done.add((sc.model, spec.dtype))
+
+
 def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int = 0, executor: str = "local",
               ray_address: str | None = None, point_reports: bool = True) -> "Any":
     """Plan, run every point, write sweep.csv / sweep.json / sweep.png / sweep_report.html into ``out``.
@@ -307,10 +326,19 @@ def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int 
     n_real = sum(p.real for p in points)
     _log(f"sweep: {len(points)} points ({len(points) - n_real} simulator, {n_real} real) -> {out}")
     t0 = time.perf_counter()
-    if executor == "ray":
-        results = run_ray(str(scenario_path), points, out, jobs, ray_address, point_reports)
-    else:
-        results = run_local(str(scenario_path), points, out, jobs, point_reports)
+    import torch
+
+    before = os.environ.get("WORKBENCH_PROFILE_THREADS")
+    os.environ["WORKBENCH_PROFILE_THREADS"] = before or str(torch.get_num_threads())
+    try:
+        calibrate_points(str(scenario_path), points)
+        if executor == "ray":
+            results = run_ray(str(scenario_path), points, out, jobs, ray_address, point_reports)
+        else:
+            results = run_local(str(scenario_path), points, out, jobs, point_reports)
+    finally:
+        if before is None:
+            os.environ.pop("WORKBENCH_PROFILE_THREADS", None)
     rows = [r for p in points for r in point_rows(p, results[p.id], out / p.id)]
     df = pd.DataFrame(rows)
     df.to_csv(out / "sweep.csv", index=False)
@@ -322,5 +350,5 @@ def run_sweep(scenario_path: str | Path, items: list[str], out: Path, jobs: int 
     return df
 
 
-__all__ = ["ENGINE_AXIS", "Point", "expand_grid", "offered_rate", "parse_axes", "plan", "point_rows",
+__all__ = ["ENGINE_AXIS", "Point", "calibrate_points", "expand_grid", "offered_rate", "parse_axes", "plan", "point_rows",
            "point_scenario", "run_local", "run_point", "run_ray", "run_sweep"]

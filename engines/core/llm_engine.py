@@ -109,6 +109,7 @@ class StepRecord:
     prefill_ctx: int = 0
     num_sampled: int = 0
     padding_ctx: int = 0
+    scattered_ctx: float = 0.0
     overhead: float = 0.0
 
     @property
@@ -116,7 +117,7 @@ class StepRecord:
         """The step's ``StepShape``, rebuilt from the recorded fields."""
         return StepShape(self.num_tokens, self.num_decode_tokens, self.num_padding_seqs, self.decode_ctx,
                          self.num_prefill_seqs, self.num_prefill_tokens, self.prefill_attn, self.prefill_ctx,
-                         self.num_sampled, self.padding_ctx)
+                         self.num_sampled, self.padding_ctx, self.scattered_ctx)
 
 
 class LLMEngine:
@@ -292,6 +293,7 @@ class LLMEngine:
                 prefill_ctx=shape.prefill_ctx,
                 num_sampled=shape.sampled,
                 padding_ctx=shape.padding_ctx,
+                scattered_ctx=shape.scattered_ctx,
                 **self._memory_fields(out),
             )
         )

@@ -20,6 +20,9 @@ class StepShape:
         decode_ctx: sum of the context lengths (tokens) that decode and padding rows attend to: KV read.
         padding_ctx: the padding rows' part of ``decode_ctx`` (they read the one scratch block over and over,
             which stays in cache: cheaper than a live row's KV read).
+        scattered_ctx: the live decode rows' context weighted by how scattered their blocks are: sum over rows of
+            context x (block-table neighbours that are not consecutive block ids / neighbours). Scattered KV reads
+            cost more than contiguous ones; both engines run the same KV manager, so both know the layout.
         prefill_seqs: prefill chunks in the step (attention is run per chunk over its block table).
         prefill_tokens: tokens of those chunks.
         prefill_attn: sum over chunks of n * (start + n): query x key pairs (causal work up to a factor 2).
@@ -39,11 +42,13 @@ class StepShape:
     prefill_ctx: int = 0
     sampled: int = 0
     padding_ctx: int = 0
+    scattered_ctx: float = 0.0
 
     @classmethod
     def of(cls, seqs) -> "StepShape":
         """The shape of a step that runs ``seqs`` (``ScheduledSeq``)."""
         tokens = decode_rows = padding = decode_ctx = pseqs = ptok = pattn = pctx = sampled = pad_ctx = 0
+        scattered = 0.0
         for s in seqs:
             n = s.num_tokens
             tokens += n
@@ -54,6 +59,7 @@ class StepShape:
                     pad_ctx += s.start_pos + 1
                 else:
                     decode_rows += 1
+                    scattered += (s.start_pos + 1) * _scatter(s.block_table)
             else:
                 pseqs += 1
                 ptok += n
@@ -61,7 +67,7 @@ class StepShape:
                 pctx += n * s.start_pos
             if s.sample and not s.is_padding:
                 sampled += 1 + len(s.fork_ids)
-        return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled, pad_ctx)
+        return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled, pad_ctx, scattered)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -76,3 +82,11 @@ class StepShape:
         if self.prefill_seqs:
             return "prefill"
         return "padded" if self.padding_rows else "decode"
+
+
+def _scatter(table) -> float:
+    """Share of a block table's neighbouring entries that are not consecutive block ids (0: one contiguous run)."""
+    n = len(table)
+    if n < 2:
+        return 0.0
+    return sum(1 for a, b in zip(table, table[1:]) if b != a + 1) / (n - 1)

@@ -3,7 +3,7 @@
 A step's shape is ``engines.core.step_shape.StepShape``. A measured (table) cost model predicts::
 
     t_exec = B(tokens) + L(sampled) + c_row * (decode_rows + padding_rows) + c_ctx * live_ctx
-             + c_pad * padding_ctx + c_seq * prefill_seqs + c_attn * prefill_attn + c_pctx * prefill_ctx + c_samp * sampled
+             + c_scat * scattered_ctx + c_pad * padding_ctx + c_seq * prefill_seqs + c_attn * prefill_attn + c_pctx * prefill_ctx + c_samp * sampled
     t_step = t_exec + o_const + o_seq * num_seqs
 
 * ``B(tokens)``: the model body's GEMMs (every row: prefill tokens, decode and padding rows), embedding,
@@ -11,8 +11,8 @@ A step's shape is ``engines.core.step_shape.StepShape``. A measured (table) cost
   count (knots at the profiled token counts, linear past the last one): CPU GEMM time is far from linear
   at small batches, where reading the weights dominates.
 * ``L(sampled)``: the LM head (``[rows, hidden] x [hidden, vocab]``), measured on its own per row count.
-* decode attention reads each live row's KV (``live_ctx``: the live rows' share of ``decode_ctx``) and costs a
-  little per row; a static padding row reads the one scratch block over and over (``padding_ctx``), which
+* decode attention reads each live row's KV (``live_ctx``: the live rows' share of ``decode_ctx``), more
+  slowly where its blocks are scattered over the pool (``scattered_ctx``), and costs a little per row; a static padding row reads the one scratch block over and over (``padding_ctx``), which
   stays in cache; prefill attention is run
   per chunk (``prefill_seqs``), over query x key pairs (``prefill_attn``), and a chunk after cached tokens
   reads them from the paged cache (``prefill_ctx``); ``sampled`` charges the sampler.
@@ -43,9 +43,10 @@ from pathlib import Path
 from engines.core.step_shape import StepShape
 
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
-PROFILE_FORMAT = 2  # the measured features and grid; a profile cached under another format is measured anew
+PROFILE_FORMAT = 4  # the measured features and grid; a profile cached under another format is measured anew
 # linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
-TABLE_FEATURES = ("rows", "live_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx", "sampled")
+TABLE_FEATURES = ("rows", "live_ctx", "scattered_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx",
+                  "sampled")
 
 
 def step_features(seqs) -> dict[str, float]:

@@ -24,12 +24,14 @@ from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, relat
 @dataclass(frozen=True)
 class GridStep:
     """One profiled step: ``decode_rows`` live decode rows and ``padding_rows`` static padding rows at
-    context ``ctx`` (tokens), plus prefill chunks ``(tokens, cached tokens before it)``."""
+    context ``ctx`` (tokens), plus prefill chunks ``(tokens, cached tokens before it)``; blocks scattered over the
+    pool, or each sequence's blocks consecutive (``contiguous``)."""
 
     decode_rows: int = 0
     ctx: int = 0
     prefills: tuple[tuple[int, int], ...] = ()
     padding_rows: int = 0
+    contiguous: bool = False
 
     @property
     def kv_tokens(self) -> int:
@@ -43,6 +45,7 @@ def _grid(prefill_sizes, multi, cached, body_rows, ctx_rows, decode_ctx, mixed, 
     g += [GridStep(prefills=((n, s),)) for n, s in cached]
     g += [GridStep(r, body_ctx) for r in body_rows]  # the body's time per row count, at a short context
     g += [GridStep(r, c) for r in ctx_rows for c in decode_ctx if r * c <= 40960]  # KV read; fits the pool
+    g += [GridStep(r, c, contiguous=True) for r in ctx_rows[::2] for c in decode_ctx if r * c <= 40960]
     g += [GridStep(r, c, tuple(p)) for r, c, p in mixed]
     g += [GridStep(r, c, (), p) for r, p, c in padded]
     return g
@@ -75,7 +78,10 @@ QUICK_GRID = _grid(
     padded=((8, 24, 256),),
 )
 KNOTS = tuple(range(1, 21)) + (24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-LM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# the LM head's GEMM ([rows, hidden] x [hidden, vocab]) is jagged by row count: on a 2-core AVX-512 CPU 3 or 7
+# sampled rows took 6-9 ms more than 2, 4 or 8 (a static batch of 8 rows with 3 live ones ran 64 ms, with 4 live
+# ones 56 ms), so it is measured at every row count up to 20
+LM_ROWS = tuple(range(1, 21)) + (24, 28, 32, 40, 48, 56, 64, 96, 128)
 
 
 def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
@@ -101,13 +107,14 @@ def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOut
     sampled, padding rows on ``PAD_BLOCK`` (the executor's scratch block). Blocks are taken in a fixed shuffled
     order of the pool (seed 0), as a running engine's free queue hands them out once requests have come and
     gone: scattered KV reads cost measurably more than contiguous ones (5-10% on a decode batch of 8-32 rows,
-    measured on a 2-core AVX-512 CPU)."""
+    measured on a 2-core AVX-512 CPU). ``step.contiguous``: the pool in order (a fresh engine's first requests)."""
     import random
 
     sp = SamplingParams(max_tokens=1, temperature=0)
     seqs, nxt = [], 0
     order = list(range(num_blocks))
-    random.Random(0).shuffle(order)
+    if not step.contiguous:
+        random.Random(0).shuffle(order)
 
     def blocks(n_tokens):
         nonlocal nxt
@@ -170,13 +177,22 @@ def lm_head_table(model, repeats: int = 3, rows: tuple[int, ...] = LM_ROWS,
     """``[[rows, seconds], ...]`` of the LM head (``model.compute_logits``) alone."""
     import torch
 
+    import random
+
     hidden = torch.randn(max(rows), model.cfg.hidden_size, dtype=model.dtype, device=model.device)
-    table = []
-    for m in rows:
-        table.append([m, median_time(lambda: model.compute_logits(hidden[:m]), repeats)])
-        if progress:
-            progress()
-    return table
+    times: dict[int, list[float]] = {m: [] for m in rows}
+    for rep in range(repeats):  # shuffled passes, as profile_rows
+        order = list(rows)
+        random.Random(rep).shuffle(order)
+        for m in order:
+            if rep == 0:
+                model.compute_logits(hidden[:m])
+            t0 = time.perf_counter()
+            model.compute_logits(hidden[:m])
+            times[m].append(time.perf_counter() - t0)
+    if progress:
+        progress()
+    return [[m, statistics.median(times[m])] for m in rows]
 
 
 class _NullExecutor:
@@ -263,7 +279,7 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
         ValueError: the KV pool is too small for the grid.
     """
     grid = list(grid or FULL_GRID)
-    total = len(grid) + len(LM_ROWS) + 1
+    total = len(grid) + 2
     done = 0
 
     def tick():
