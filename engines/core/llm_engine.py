@@ -267,7 +267,7 @@ class LLMEngine:
     def _record(self, out, start: float, duration: float) -> None:
         kv = out.kv_stats
         seqs = out.seqs
-        shape = StepShape.of(seqs)
+        shape = out.shape
         self.steps.append(
             StepRecord(
                 step=len(self.steps),

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from engines.core.config import SchedulerConfig
 from engines.core.kv_cache_manager import KVStats
 from engines.core.request import Request, RequestStatus
 from engines.core.sampling_params import SamplingParams
+from engines.core.step_shape import StepShape
 
 
 @dataclass
@@ -89,6 +91,11 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+    @cached_property
+    def shape(self) -> StepShape:
+        """What the step computes (computed once: the step record and the simulator's cost model both read it)."""
+        return StepShape.of(self.seqs)
 
     @property
     def is_empty(self) -> bool:

@@ -69,7 +69,7 @@ class StepShape:
                 sampled += 1 + len(s.fork_ids)
         return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled, pad_ctx, scattered)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
     @property

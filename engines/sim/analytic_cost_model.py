@@ -148,6 +148,18 @@ class AnalyticCostModel:
                                          f"a={self.spec.acceptance_rate}" if self.spec else ""))
 
     # -- the interface CostModelExecutor uses ---------------------------------------------------
+    def predict_step(self, out) -> float:
+        """Predicted seconds of the step ``out`` (``SchedulerOutput``)."""
+        return self.predict(out.seqs)
+
+    def predict_overhead(self, num_seqs: int) -> float:
+        """0: the per-step overhead is part of ``step_overhead_s`` in :meth:`pass_time`."""
+        return 0.0
+
+    def noise(self, seed: int | None) -> None:
+        """None: the roofline model has no measured step-to-step spread."""
+        return None
+
     def predict(self, seqs) -> float:
         """Predicted seconds of a step that runs ``seqs`` (``ScheduledSeq`` list; 0 when empty)."""
         return sum(self.breakdown(seqs).values()) if seqs else 0.0

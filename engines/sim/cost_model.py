@@ -96,7 +96,7 @@ class CostModel:
     def predict_exec(self, f: dict[str, float]) -> float:
         """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""
         if self.body_table:
-            t = _interp(self.body_table, f["tokens"]) + _interp(self.lm_table, f.get("sampled", 0.0))
+            t = interp(self.body_table, f["tokens"]) + interp(self.lm_table, f.get("sampled", 0.0))
             t += sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in TABLE_FEATURES)
         else:
             t = sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in FEATURES)
@@ -112,9 +112,9 @@ class CostModel:
         """Seconds of a whole step with features ``f``: executor plus the engine's overhead."""
         return self.predict_exec(f) + self.predict_overhead(int(f.get("rows", 0) + f.get("prefill_seqs", 0)))
 
-    def predict(self, seqs) -> float:
-        """Predicted duration (s) of the executor for a step that runs ``seqs`` (0 for none)."""
-        return self.predict_exec(step_features(seqs)) if seqs else 0.0
+    def predict_step(self, out) -> float:
+        """Predicted duration (s) of the executor for the step ``out`` (``SchedulerOutput``; 0 when empty)."""
+        return self.predict_exec(shape_features(out.shape)) if out.seqs else 0.0
 
     def noise(self, seed: int | None) -> "StepNoise | None":
         """A seeded step-noise source of this model's ``noise_cv`` (None without a seed or a spread)."""
@@ -209,7 +209,7 @@ def hat_weights(knots: list[float], x: float) -> list[float]:
     return w
 
 
-def _interp(table: list[list[float]], x: float) -> float:
+def interp(table: list[list[float]], x: float) -> float:
     """Piecewise-linear interpolation over ``[[x, y], ...]`` (sorted by x), as :func:`hat_weights`."""
     if not table:
         return 0.0

@@ -18,7 +18,7 @@ from typing import Callable
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
-from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, relative_nnls, step_features
+from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, interp, relative_nnls, step_features
 
 
 @dataclass(frozen=True)
@@ -86,20 +86,13 @@ LM_ROWS = tuple(range(1, 21)) + (24, 28, 32, 40, 48, 56, 64, 96, 128)
 
 def median_time(fn: Callable[[], object], repeats: int = 3) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after one untimed warm-up call."""
-    return timed(fn, repeats)[0]
-
-
-def timed(fn: Callable[[], object], repeats: int = 3) -> tuple[float, float]:
-    """``(median seconds, relative spread)`` of ``repeats`` calls of ``fn`` after one untimed warm-up call;
-    spread = standard deviation / mean (0 for one repeat)."""
     fn()
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t0)
-    cv = statistics.stdev(ts) / statistics.fmean(ts) if len(ts) > 1 else 0.0
-    return statistics.median(ts), cv
+    return statistics.median(ts)
 
 
 def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOutput:
@@ -245,21 +238,14 @@ def fit_table_model(rows: list[tuple[dict, float]], lm_table: list[list[float]],
 
     measured = {f["tokens"] for f, _ in rows}
     ks = sorted({k for k in knots if k in measured} | {max(measured)})  # a knot no step measured is not fitted
-    lm = CostModel({}, lm_table=lm_table, body_table=[[1, 0.0]])
     x, y = [], []
     for f, t in rows:
         x.append(hat_weights(ks, f["tokens"]) + [f.get(k, 0.0) for k in TABLE_FEATURES])
-        y.append(max(t - _lm(lm, f), 0.05 * t))
+        y.append(max(t - interp(lm_table, f.get("sampled", 0.0)), 0.05 * t))
     sol = relative_nnls(np.array(x), np.array(y))
     body = [[float(k), float(v)] for k, v in zip(ks, sol[: len(ks)])]
     coef = {k: float(v) for k, v in zip(TABLE_FEATURES, sol[len(ks):])}
     return CostModel(coef, body_table=body, lm_table=lm_table)
-
-
-def _lm(lm: CostModel, f: dict) -> float:
-    from engines.sim.cost_model import _interp
-
-    return _interp(lm.lm_table, f.get("sampled", 0.0))
 
 
 def relative_errors(cm: CostModel, rows) -> list[float]:

@@ -69,18 +69,16 @@ class CostModelExecutor:
         self.cost_model, self.clock = cost_model, clock
         self.block_bytes = block_bytes
         self.swap_bandwidth = swap_bandwidth_bytes_per_s
-        noise = getattr(cost_model, "noise", None)
-        self.noise = noise(seed) if noise is not None else None
+        self.noise = cost_model.noise(seed)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         swap_time = n_swap * self.block_bytes / self.swap_bandwidth if n_swap else 0.0
-        dt = self.cost_model.predict(out.seqs)
+        dt = self.cost_model.predict_step(out)
         if out.seqs:
             if self.noise is not None:
                 dt *= self.noise()
-            overhead = getattr(self.cost_model, "predict_overhead", None)
-            dt += overhead(len(out.seqs)) if overhead is not None else 0.0
+            dt += self.cost_model.predict_overhead(len(out.seqs))
         dt += swap_time
         self.clock.now += dt
         sampled, beams = {}, {}
