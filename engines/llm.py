@@ -61,8 +61,20 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.executor.model.cfg
         mc = self.model_config
-        self.eos_token_id = mc.eos_token_ids[0] if mc.eos_token_ids else self.tokenizer.eos_token_id
+        # every stop id of the model (config.json and generation_config.json), not only the first
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = mc.eos_token_ids or (() if eos is None else (eos,))
         self._ids = itertools.count()
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's first EOS id (generation stops on any of ``eos_token_ids``); setting it makes it
+        the only one."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @eos_token_id.setter
+    def eos_token_id(self, token_id: int | None) -> None:
+        self.eos_token_ids = () if token_id is None else (token_id,)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Tokenize a prompt, through the model's chat template when ``chat``."""
@@ -78,8 +90,12 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         chat: bool = False,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts as one batch to completion; outputs in prompt order.
+
+        ``cache_salt`` (as in vLLM) is mixed into every prefix-cache block hash of these prompts, so they
+        share cached blocks only with requests of the same salt (tenant isolation).
 
         Rejected requests (over ``max_model_len``, ``max_tokens < 1``...) come back with
         ``finish_reason == "rejected"`` and ``error`` set, while the rest complete. With ``n`` > 1
@@ -98,7 +114,8 @@ class LLM:
             order.append(rid)
             nums[rid] = sp.n
             req = Request(rid, ids, sp, arrival_time=self.engine.clock(),
-                          prompt=prompt if isinstance(prompt, str) else None, eos_token_id=self.eos_token_id)
+                          prompt=prompt if isinstance(prompt, str) else None, eos_token_id=self.eos_token_ids,
+                          cache_salt=cache_salt)
             rejected = self.engine.add_request(req)
             if rejected is not None:
                 results[rid] = rejected

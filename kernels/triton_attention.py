@@ -152,6 +152,12 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -
     return bs, num_heads // kvh
 
 
+def _check_device(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"q, k_cache and v_cache must be on one device, got {q.device}, {k_cache.device} "
+                         f"and {v_cache.device}")
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """One query token per sequence attending to its whole context (Triton).
@@ -170,9 +176,10 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     b, h, d = q.shape
     bs, group = _check_cache(k_cache, v_cache, h)
+    _check_device(q, k_cache, v_cache)
     q = q.contiguous()
-    bt = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
+    bt = block_tables.to(device=q.device, dtype=torch.int32).contiguous()
+    lens = context_lens.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty_like(q)
     scale = scale if scale is not None else d ** -0.5
     _decode_kernel[(b, h)](q, k_cache, v_cache, out, bt, lens, scale,
@@ -185,7 +192,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, start_pos: torch.Tensor,
-                                   scale: float | None = None, block_m: int = 16) -> torch.Tensor:
+                                   scale: float | None = None, block_m: int = 16,
+                                   max_seqlen_q: int | None = None) -> torch.Tensor:
     """Chunks of new tokens of several sequences, each attending to its cached context and causally
     within the chunk (Triton).
 
@@ -197,6 +205,8 @@ def paged_attention_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cac
         cu_seqlens_q: ``[num_seqs + 1]`` int, cumulative chunk lengths (starts at 0).
         start_pos: ``[num_seqs]`` int, position of each chunk's first token (= tokens cached before it).
         block_m: query rows per program (a power of 2 >= 16).
+        max_seqlen_q: the longest chunk, in tokens, when the caller knows it (as flash-attention's
+            ``max_seqlen_q``); None reads it from ``cu_seqlens_q``, which waits for the device.
     Returns:
         ``[total_tokens, num_heads, head_dim]`` in q's dtype.
 
@@ -209,12 +219,17 @@ def paged_attention_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cac
     ns = block_tables.shape[0]
     if cu_seqlens_q.shape != (ns + 1,) or start_pos.shape != (ns,):
         raise ValueError(f"cu_seqlens_q must be [{ns + 1}] and start_pos [{ns}] for {ns} block tables")
+    _check_device(q, k_cache, v_cache)
     q = q.contiguous()
-    bt = block_tables.to(torch.int32).contiguous()
-    cu = cu_seqlens_q.to(torch.int32).contiguous()
-    st = start_pos.to(torch.int32).contiguous()
+    # index tensors go where the kernel reads them (a block table built on the host, say)
+    bt = block_tables.to(device=q.device, dtype=torch.int32).contiguous()
+    cu = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+    st = start_pos.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty_like(q)
-    max_n = int((cu[1:] - cu[:-1]).max()) if ns else 0
+    if max_seqlen_q is not None:
+        max_n = max_seqlen_q if ns else 0
+    else:
+        max_n = int((cu[1:] - cu[:-1]).max()) if ns else 0
     if max_n == 0:
         return out
     scale = scale if scale is not None else d ** -0.5
@@ -239,4 +254,5 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     n = q.shape[0]
     return paged_attention_prefill_varlen(q, k_cache, v_cache, block_table.view(1, -1),
-                                          torch.tensor([0, n]), torch.tensor([start_pos]), scale)
+                                          torch.tensor([0, n], device=q.device),
+                                          torch.tensor([start_pos], device=q.device), scale, max_seqlen_q=n)

@@ -88,7 +88,7 @@ class EngineProber:
         trace = self.scenario.trace.model_copy(update={"request_rate": rate, "load": None})
         sc = self.scenario.model_copy(update={"trace": trace, "engines": [self.spec]})
         trace = load_scenario_trace(sc, self.tokenizer, vocab_lo=100, vocab_hi=min(self.model_cfg.vocab_size, 49000))
-        eos = self.model_cfg.eos_token_ids[0] if self.model_cfg.eos_token_ids else None
+        eos = self.model_cfg.eos_token_ids or None
         outs, steps = run_engine(sc, self.spec, self.model_dir, self.model_cfg, trace, eos)
         return evaluate(summarize(outs, steps, len(trace), self.limits), self.limits, rate)
 

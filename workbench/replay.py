@@ -15,7 +15,7 @@ from engines.sim.simulator import requests_in_flight, simulate
 from workbench.traces import TraceRequest
 
 
-def make_requests(trace: list[TraceRequest], eos_token_id: int | None) -> list[Request]:
+def make_requests(trace: list[TraceRequest], eos_token_id: int | tuple[int, ...] | None) -> list[Request]:
     """Engine requests for a trace: greedy, exactly the trace's output length (EOS ignored)."""
     return [
         Request(

@@ -31,8 +31,8 @@ tensors are, so equal log-probabilities give equal rankings. Ties between equal 
 beam rank, then by the candidate's rank within its beam (``torch.topk`` leaves the order of exact ties
 unspecified).
 
-Beams join ``running`` when forked, like parallel-sampling children (``max_num_seqs`` limits admissions, not
-forks). A beam that got its candidates but is preempted before its siblings get theirs drops them and computes
+Beams join ``running`` when forked, like parallel-sampling children; admission reserves ``beam_width``
+sequences under ``max_num_seqs`` for a beam-search request (``PagedScheduler.num_seqs``). A beam that got its candidates but is preempted before its siblings get theirs drops them and computes
 its last token again (recompute: its whole sequence) before the selection can run.
 """
 
@@ -124,20 +124,20 @@ class BeamGroup:
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         cands = cands[: num_candidates(width)]
         new_len = self.num_generated + 1
-        eos = None if sp.ignore_eos else self.request.eos_token_id
+        eos = frozenset() if sp.ignore_eos else self.request.eos_token_ids
         running: list[tuple[Request, int, float]] = []
         new_hyps: list[Hypothesis] = []
         full = len(self.hypotheses) >= width
         for i, (score, bi, _, tok) in enumerate(cands):
             beam = self.beams[bi]
-            if not ((eos is not None and tok == eos) or new_len >= sp.max_tokens):
+            if not (tok in eos or new_len >= sp.max_tokens):
                 if len(running) < width:
                     running.append((beam, tok, score))
                 continue
             # only the first beam_width candidates may become hypotheses; none once full with early_stopping=True
             if i >= width or (sp.early_stopping is True and full):
                 continue
-            reason = "stop" if eos is not None and tok == eos else "length"
+            reason = "stop" if tok in eos else "length"
             new_hyps.append(Hypothesis([*beam.output_token_ids, tok], score, f32(score / f32(new_len ** lp_exp)), reason))
         if new_hyps:
             merged = sorted([*self.hypotheses, *new_hyps], key=lambda h: -h.score)  # stable: older first on ties
@@ -248,7 +248,7 @@ class BeamSearch:
         child.num_computed_tokens = parent.num_computed_tokens
         sched.kv.fork(parent, child)
         child.status = RequestStatus.RUNNING
-        sched.requests[cid] = child
+        sched.add_fork(child)
         sched.running.append(child)
         return child
 

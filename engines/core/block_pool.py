@@ -13,6 +13,9 @@ queue (:meth:`BlockPool.touch`).
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
@@ -22,28 +25,59 @@ class BlockPoolError(RuntimeError):
     """Raised on a bookkeeping bug: freeing a free block (ref count would go negative)."""
 
 
-BlockHash = int
+BlockHash = bytes
+"""A block's prefix-cache key: 32 bytes of sha256 (see :func:`hash_block_tokens`)."""
+
+BlockKey = tuple
+"""What a cached block holds, compared on every hit: ``(parent hash, token ids, extra keys)``."""
+
+_NO_PARENT = bytes(32)
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
                       extra_keys: Hashable | None = None) -> BlockHash:
-    """Hash of one full block: ``hash((parent block's hash, the block's token ids, extra keys))``.
+    """sha256 of one full block, chained: ``sha256(parent hash | n | token ids | extra keys)``.
 
     Chaining the parent's hash makes a block's hash identify the whole prefix up to and including it
-    (vLLM V1's ``hash_block_tokens``). Python's ``hash`` of a tuple of ints is deterministic across runs
-    (only str/bytes hashing is salted); it is 64-bit, so a collision is about 2**-64 per pair of blocks.
+    (vLLM V1's ``hash_block_tokens``). The encoding is canonical: the parent's 32 bytes (zeros for the
+    first block), the number of tokens and each id as 8-byte little-endian integers, then a flag and
+    the length-prefixed ``repr`` of ``extra_keys`` (a tenant's ``cache_salt``). sha256 rather than
+    Python's tuple ``hash``, which is not collision-resistant (crafted prompts can collide and serve one
+    client another's KV; vLLM moved to sha256 for the same reason, GHSA-rm76-4mrf-v9r8). A hit also
+    compares the stored token ids (:meth:`BlockPool.get_cached_block`), so even a colliding key never
+    reuses the wrong block.
+
+    Args:
+        parent_hash: the previous block's hash, None for the first block.
+        token_ids: the block's token ids (ints in int64 range).
+        extra_keys: anything with a stable ``repr`` that must also match (None: nothing).
+    Returns:
+        32 bytes.
     """
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    h = hashlib.sha256(parent_hash if parent_hash is not None else _NO_PARENT)
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    h.update(len(ids).to_bytes(8, "little"))
+    h.update(ids.tobytes())
+    if extra_keys is None:
+        h.update(b"\x00")
+    else:
+        e = repr(extra_keys).encode()
+        h.update(b"\x01" + len(e).to_bytes(8, "little") + e)
+    return h.digest()
 
 
 @dataclass
 class KVBlock:
     """One block of ``block_size`` token slots. ``ref_cnt`` = sequences that hold it;
-    ``block_hash`` = its prefix-cache key while it is registered in the cache (None otherwise)."""
+    ``block_hash`` = its prefix-cache key while it is registered in the cache (None otherwise);
+    ``key`` = what it holds, ``(parent hash, token ids, extra keys)``, compared on every hit."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    key: BlockKey | None = None
 
 
 class BlockPool:
@@ -55,6 +89,7 @@ class BlockPool:
     Attributes:
         cached: block hash -> block id of every block registered in the prefix cache.
         num_evictions: cached blocks whose hash was dropped to reuse them as fresh blocks.
+        num_hash_collisions: lookups whose hash matched a block holding other tokens (answered as misses).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -66,6 +101,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        self.num_hash_collisions = 0
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1 (KV accounting takes a slower path then)
 
     @property
@@ -92,7 +128,7 @@ class BlockPool:
             if blk.block_hash is not None:  # evict: its contents are about to be overwritten
                 if self.cached.get(blk.block_hash) == i:
                     del self.cached[blk.block_hash]
-                blk.block_hash = None
+                blk.block_hash = blk.key = None
                 self.num_evictions += 1
             blk.ref_cnt = 1
         return ids
@@ -136,17 +172,26 @@ class BlockPool:
                 self._free[i] = None
 
     # -- prefix cache ------------------------------------------------------------------------
-    def get_cached_block(self, block_hash: BlockHash) -> int | None:
-        """The block registered under ``block_hash``, or None."""
-        return self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, key: BlockKey | None = None) -> int | None:
+        """The block registered under ``block_hash``, or None. With ``key``, a block registered with a
+        different key is a collision: counted in ``num_hash_collisions`` and answered None (a miss)."""
+        b = self.cached.get(block_hash)
+        if b is None or key is None:
+            return b
+        stored = self.blocks[b].key
+        if stored is not None and stored != key:
+            self.num_hash_collisions += 1
+            return None
+        return b
 
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Register a held, full block under ``block_hash``. Returns False (changing nothing) when another
-        block already holds that hash (two requests computed the same block) or this one has a hash."""
+    def cache_block(self, block_id: int, block_hash: BlockHash, key: BlockKey | None = None) -> bool:
+        """Register a held, full block under ``block_hash`` (holding ``key``). Returns False (changing
+        nothing) when another block already holds that hash (two requests computed the same block) or
+        this one has a hash."""
         blk = self.blocks[block_id]
         if blk.block_hash is not None or block_hash in self.cached:
             return False
-        blk.block_hash = block_hash
+        blk.block_hash, blk.key = block_hash, key
         self.cached[block_hash] = block_id
         return True
 
@@ -156,10 +201,10 @@ class BlockPool:
         if blk.block_hash is not None:
             if self.cached.get(blk.block_hash) == block_id:
                 del self.cached[blk.block_hash]
-            blk.block_hash = None
+            blk.block_hash = blk.key = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks stay where they are)."""
         for blk in self.blocks:
-            blk.block_hash = None
+            blk.block_hash = blk.key = None
         self.cached.clear()

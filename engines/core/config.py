@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+
+def _eos_ids(value) -> tuple[int, ...]:
+    """A config's ``eos_token_id`` (an int, a list of ints or null) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The Llama-family architecture fields the engine needs, read from a Hugging Face ``config.json``.
@@ -48,8 +55,11 @@ class ModelConfig:
         rope = c.get("rope_parameters") or {}
         rope_scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        eos = c.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos_ids = _eos_ids(c.get("eos_token_id"))
+        gen_file = Path(path) / "generation_config.json"
+        if gen_file.is_file():  # transformers' generate stops on generation_config's ids; keep both, in order
+            gen_ids = _eos_ids(json.loads(gen_file.read_text()).get("eos_token_id"))
+            eos_ids = tuple(dict.fromkeys(gen_ids + eos_ids))
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"],

@@ -103,6 +103,11 @@ class PagedKVCacheManager:
             hs.append(parent)
         return hs
 
+    def _block_key(self, request: Request, i: int) -> tuple:
+        """What full block ``i`` of the request holds: ``(parent hash, token ids, cache salt)``."""
+        bs, hs = self.block_size, request.block_hashes
+        return (hs[i - 1] if i else None, tuple(request.all_token_ids[i * bs : (i + 1) * bs]), request.cache_salt)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of the request's full blocks: ``(block ids, tokens)``.
 
@@ -114,8 +119,8 @@ class PagedKVCacheManager:
         bs = self.block_size
         hashes = self.block_hashes(request)
         hit: list[int] = []
-        for h in hashes[: (request.num_tokens_total - 1) // bs]:
-            b = self.pool.get_cached_block(h)
+        for i, h in enumerate(hashes[: (request.num_tokens_total - 1) // bs]):
+            b = self.pool.get_cached_block(h, self._block_key(request, i))
             if b is None:
                 break
             hit.append(b)
@@ -140,7 +145,7 @@ class PagedKVCacheManager:
             return
         table, hashes = self.block_tables[rid], self.block_hashes(request)
         for i in range(start, n_full):
-            self.pool.cache_block(table[i], hashes[i])
+            self.pool.cache_block(table[i], hashes[i], self._block_key(request, i))
         self._num_cached[rid] = n_full
 
     # -- allocation --------------------------------------------------------------------------

@@ -61,7 +61,20 @@ class PagedScheduler(Scheduler):
                 f"request {request.request_id}: prompt + max_tokens ({request.max_total_tokens} tokens) exceeds "
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) with chunked prefill off"
             )
+        if reason is None and self.num_seqs(request) > self.config.max_num_seqs:
+            reason = (f"request {request.request_id}: {self.num_seqs(request)} sequences (n, best_of or beam_width) "
+                      f"exceed max_num_seqs ({self.config.max_num_seqs})")
         return reason or self.beam_search.validate(request, self.kv)
+
+    @staticmethod
+    def num_seqs(req: Request) -> int:
+        """Sequences ``req`` occupies in ``running`` once it has forked: ``n``/``best_of`` (parallel sampling)
+        or ``beam_width`` for a request that has not forked yet, 1 for a fork or a forked parent. Admission
+        reserves them all, so forks never push ``running`` past ``max_num_seqs``."""
+        if req.parent_id is not None or req.forked:
+            return 1
+        sp = req.sampling_params
+        return sp.beam_width if sp.use_beam_search else sp.num_seqs
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for ``req`` this step (0 = it must wait): the rest of its tokens, capped by
@@ -94,7 +107,10 @@ class PagedScheduler(Scheduler):
             idx += 1
 
         # Swap in, then admit waiting requests, only when nothing was preempted in this step (as vLLM does).
-        while not preempted and self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A request is let in only when all the sequences it will fork into fit under max_num_seqs.
+        max_seqs = self.config.max_num_seqs
+        num_seqs = sum(map(self.num_seqs, self.running))
+        while not preempted and self.swapped and budget > 0 and num_seqs + self.num_seqs(self.swapped[0]) <= max_seqs:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
             if n == 0:
@@ -106,11 +122,12 @@ class PagedScheduler(Scheduler):
             out.blocks_to_swap_in.extend(mapping)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            num_seqs += self.num_seqs(req)
             seqs.append(self._seq(req, n))
             budget -= n
 
         while (not preempted and not self.swapped and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and num_seqs + self.num_seqs(self.waiting[0]) <= max_seqs):
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             req.num_computed_tokens += num_hit  # provisionally, to size the new tokens
@@ -126,6 +143,7 @@ class PagedScheduler(Scheduler):
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            num_seqs += self.num_seqs(req)
             seqs.append(self._seq(req, n))
             budget -= n
 
@@ -206,7 +224,7 @@ class PagedScheduler(Scheduler):
                 child.num_computed_tokens = seq.start_pos + seq.num_tokens
                 self.kv.fork(parent, child)
                 child.status = RequestStatus.RUNNING
-                self.requests[cid] = child
+                self.add_fork(child)
                 self.running.append(child)
                 tok = result.sampled[cid]
                 child.append_output(tok)

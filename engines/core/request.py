@@ -39,6 +39,8 @@ class Request:
         prompt_token_ids: the prompt, in tokens.
         sampling_params: how to sample and stop.
         arrival_time: seconds on the driver's clock.
+        eos_token_id: the id, or ids, that end generation (unless ``ignore_eos``); ``eos_token_ids`` is
+            the same as a frozenset.
     """
 
     request_id: str
@@ -46,7 +48,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     prompt: str | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # one stop id or several (Llama 3 Instruct has three)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -82,6 +84,8 @@ class Request:
     def __post_init__(self) -> None:
         # prompt + outputs in one list, appended to in place, so a step's slice costs O(tokens scheduled)
         self._all: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+        e = self.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(() if e is None else (e,) if isinstance(e, int) else e)
 
     @property
     def all_token_ids(self) -> list[int]:

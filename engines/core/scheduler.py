@@ -144,12 +144,20 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._num_forks: dict[str, int] = {}  # parent id -> its forked sequences still in ``requests``
         self.num_preemptions = 0
         self.num_preemptions_swap = 0  # the rest of num_preemptions are by recompute
 
     # -- interface ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
-        """Queue a request, or reject it (status REJECTED, ``reject_reason`` set) and return False."""
+        """Queue a request, or reject it (status REJECTED, ``reject_reason`` set) and return False.
+
+        Raises:
+            ValueError: a request with this id is still in flight (queued, running, held, or one of its
+                forked sequences is); its state would be overwritten.
+        """
+        if self.in_flight(request.request_id):
+            raise ValueError(f"request {request.request_id}: a request with this id is already in flight")
         reason = self.validate(request)
         if reason is not None:
             request.status = RequestStatus.REJECTED
@@ -187,18 +195,34 @@ class Scheduler:
     def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> None:
         """Finish ``req`` (appending it to ``finished``) if its new token ``tok`` is EOS (unless
         ``ignore_eos``) or it has reached ``max_tokens``."""
-        if not req.sampling_params.ignore_eos and req.eos_token_id is not None and tok == req.eos_token_id:
+        if not req.sampling_params.ignore_eos and tok in req.eos_token_ids:
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
             finished.append(req)
         elif req.num_output_tokens >= req.sampling_params.max_tokens:
             self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
             finished.append(req)
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a request not yet finished, or the parent of a forked sequence
+        (parallel sampling, beam search) that is."""
+        return request_id in self.requests or request_id in self._num_forks
+
+    def add_fork(self, child: Request) -> None:
+        """Register a sequence forked off ``child.parent_id`` (the caller puts it in a queue)."""
+        self.requests[child.request_id] = child
+        self._num_forks[child.parent_id] = self._num_forks.get(child.parent_id, 0) + 1
+
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
         """End a request (stop string, abort, ...): release its KV and drop it from the queues."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if req.parent_id is not None and req.parent_id in self._num_forks:
+            left = self._num_forks[req.parent_id] - 1
+            if left:
+                self._num_forks[req.parent_id] = left
+            else:
+                del self._num_forks[req.parent_id]
         req.status = status
         req.stop_reason = stop_reason
         if req in self.running:

@@ -81,7 +81,8 @@ class ModelExecutor:
             toks = self.sampler.sample(logits, ids, params) if ids else []
             sampled = dict(zip(ids, toks))
             if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
-                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks)), torch.tensor(toks)].cpu()
+                dev = logits.device
+                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks), device=dev), torch.tensor(toks, device=dev)].cpu()
                 logprobs = dict(zip(ids, lp.tolist()))
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
