@@ -8,8 +8,10 @@ import pytest
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq
 from engines.core.step_shape import StepShape
-from engines.sim.cost_model import CostModel, hat_weights, shape_features, step_features
-from engines.sim.profiler import FULL_GRID, GridStep, fit_table_model, grid_batch, probe_ratio
+from engines.sim.cost_model import (SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS, CostModel, hat_weights, shape_features,
+                                    step_features)
+from engines.sim.profiler import (FULL_GRID, LARGE_PROBE_TOKENS, PROBE_GRID, GridStep, fit_table_model, grid_batch,
+                                  probe_ratio, probe_ratios)
 
 SP = SamplingParams(max_tokens=4, temperature=0)
 
@@ -100,3 +102,28 @@ def test_profile_round_trip_keeps_tables_overhead_noise_and_fingerprint(tmp_path
     back = CostModel.load(tmp_path / "p.json")
     assert (back.body_table, back.lm_table, back.overhead, back.noise_cv, back.fingerprint, back.created) == (
         cm.body_table, cm.lm_table, cm.overhead, 0.03, {"model": "m"}, "t")
+
+
+def test_drift_has_a_decode_and_a_prefill_factor():
+    """A machine whose decode steps run 10% faster than its profile and whose prefills run 5% slower: the
+    probe ratios tell the two apart, and the rescaled model predicts both within the rounding."""
+    cm = _true_model()
+    probes, truth = [], {}
+    for step in PROBE_GRID:
+        f = step_features(grid_batch(step, 16, 8192).seqs)
+        factor = 0.9 if f["tokens"] < LARGE_PROBE_TOKENS else 1.05
+        probes.append({"features": f, "seconds": factor * cm.predict_exec(f)})
+        truth[step] = (f, factor * cm.predict_exec(f))
+    r = probe_ratios(cm, probes)
+    assert r["small"] == pytest.approx(0.9) and r["large"] == pytest.approx(1.05)
+    assert 0.9 < r["all"] < 1.05
+    cm.speed_scale, cm.speed_scale_large = r["small"], r["large"]
+    for f, seconds in truth.values():
+        if f["tokens"] <= SCALE_SMALL_TOKENS or f["tokens"] >= SCALE_LARGE_TOKENS:
+            assert cm.predict_exec(f) == pytest.approx(seconds, rel=1e-9)
+    # between the two sizes the factor is linear in log(tokens)
+    mid = (SCALE_SMALL_TOKENS * SCALE_LARGE_TOKENS) ** 0.5
+    assert cm.scale(mid) == pytest.approx((0.9 + 1.05) / 2)
+    assert cm.scale(1) == 0.9 and cm.scale(4096) == 1.05
+    cm.speed_scale_large = None
+    assert cm.scale(4096) == 0.9

@@ -210,16 +210,20 @@ def twin_of(name: str, policy: str, engines: dict) -> str | None:
 
 def drift(cm: CostModel, probes: list[dict]) -> dict:
     """``drift`` of a sim engine's profile against the machine probes of this run's real engines:
-    ``speed_ratio`` = geometric mean of measured / predicted over every probe step of every real run; beyond
-    :data:`DRIFT_MARGIN` the profile's predictions are rescaled by it (``rescaled``), unless it is beyond
-    :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is left as it
-    is and the run says so)."""
-    from engines.sim.profiler import probe_ratio
+    ``speed_ratio`` = geometric mean of measured / predicted over every probe step of every real run, and the
+    same over the small (decode) and the large (prefill) probe steps apart (``speed_ratio_small``,
+    ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``). When either is off by more than
+    :data:`DRIFT_MARGIN` the profile's predictions are rescaled by them (``rescaled``; ``CostModel.scale``),
+    unless one is beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this
+    machine; it is left as it is and the run says so)."""
+    from engines.sim.profiler import probe_ratios
 
-    ratio = probe_ratio(cm, [p for run in probes for p in run["steps"]])
-    beyond = ratio is not None and not 1 / DRIFT_MAX <= ratio <= DRIFT_MAX
-    rescaled = ratio is not None and abs(ratio - 1.0) > DRIFT_MARGIN and not beyond
-    return {"speed_ratio": ratio, "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled,
+    r = probe_ratios(cm, [p for run in probes for p in run["steps"]])
+    ratio, parts = r["all"], [x for x in (r["small"], r["large"]) if x is not None]
+    beyond = any(not 1 / DRIFT_MAX <= x <= DRIFT_MAX for x in parts)
+    rescaled = bool(parts) and any(abs(x - 1.0) > DRIFT_MARGIN for x in parts) and not beyond
+    return {"speed_ratio": ratio, "speed_ratio_small": r["small"], "speed_ratio_large": r["large"],
+            "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled,
             "beyond_max": beyond, "n_probe_runs": len(probes),
             "probes": [{"gemm_gflops": run["gemm_gflops"],
                         "steps": [{"features": {k: v for k, v in p["features"].items() if v and k != "const"},
@@ -282,7 +286,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     model_cfg = ModelConfig.from_dir(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     trace = load_scenario_trace(scenario, tok, vocab_lo=100, vocab_hi=min(model_cfg.vocab_size, 49000))
-    eos = model_cfg.eos_token_ids[0] if model_cfg.eos_token_ids else None
+    eos = model_cfg.eos_token_ids or None
     slo = scenario.slo.model_dump() if scenario.slo else None
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
@@ -330,11 +334,14 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         if spec.name in measured:
             cm = measured[spec.name][0]
             drifts[spec.name] = drift(cm, probes) if probes else None
-            if drifts[spec.name] and drifts[spec.name]["rescaled"]:
-                cm.speed_scale = drifts[spec.name]["speed_ratio"]
+            d = drifts[spec.name]
+            if d and d["rescaled"]:
+                cm.speed_scale = d["speed_ratio_small"] or d["speed_ratio"]
+                cm.speed_scale_large = d["speed_ratio_large"] or d["speed_ratio"]
                 if echo:
-                    echo(f"{spec.name}: this machine runs the probe steps at {cm.speed_scale:.3f}x the profile's "
-                         f"times (margin {DRIFT_MARGIN:.0%}); predictions rescaled")
+                    echo(f"{spec.name}: this machine runs the probe steps at {cm.speed_scale:.3f}x (decode) and "
+                         f"{cm.speed_scale_large:.3f}x (prefill) the profile's times (margin {DRIFT_MARGIN:.0%}); "
+                         f"predictions rescaled")
         # with step noise the simulator is one draw of a noisy machine too: as many runs as the real engines
         # had, noise seeds seed, seed + 1, ..., so that its means compare with theirs
         noisy = cm is not None and spec.step_noise and cm.noise_cv > 0

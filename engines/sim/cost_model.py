@@ -64,6 +64,10 @@ def shape_features(shape: StepShape) -> dict[str, float]:
     return f
 
 
+SCALE_SMALL_TOKENS = 64  # drift: steps up to this many tokens take ``speed_scale`` (memory-bound decodes)
+SCALE_LARGE_TOKENS = 256  # ... and steps from this many on ``speed_scale_large`` (compute-bound prefills)
+
+
 @dataclass
 class CostModel:
     """A step-time model; seconds per unit of each feature.
@@ -79,7 +83,12 @@ class CostModel:
         fingerprint: what the profile measured (machine, threads, torch, model, dtype, kernels); see
             ``engines.sim.calibration``.
         created: ISO time the profile was measured.
-        speed_scale: multiplies every prediction (a drift correction; 1.0 as measured).
+        speed_scale: multiplies every prediction (a drift correction; 1.0 as measured); with
+            ``speed_scale_large`` set, only those of steps of at most :data:`SCALE_SMALL_TOKENS` tokens
+            and the engine overhead.
+        speed_scale_large: the drift correction of steps of at least :data:`SCALE_LARGE_TOKENS` tokens
+            (None: ``speed_scale`` for every step); between the two sizes the factor is interpolated
+            linearly in log(tokens). See :meth:`scale`.
     """
 
     coef: dict[str, float]
@@ -92,6 +101,17 @@ class CostModel:
     fingerprint: dict = field(default_factory=dict)
     created: str = ""
     speed_scale: float = 1.0
+    speed_scale_large: float | None = None
+
+    def scale(self, tokens: float) -> float:
+        """The drift factor of a step of ``tokens`` tokens (see ``speed_scale_large``)."""
+        big = self.speed_scale_large
+        if big is None or tokens <= SCALE_SMALL_TOKENS:
+            return self.speed_scale
+        if tokens >= SCALE_LARGE_TOKENS:
+            return big
+        w = math.log(tokens / SCALE_SMALL_TOKENS) / math.log(SCALE_LARGE_TOKENS / SCALE_SMALL_TOKENS)
+        return self.speed_scale + w * (big - self.speed_scale)
 
     def predict_exec(self, f: dict[str, float]) -> float:
         """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""
@@ -100,7 +120,7 @@ class CostModel:
             t += sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in TABLE_FEATURES)
         else:
             t = sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in FEATURES)
-        return max(0.0, t) * self.speed_scale
+        return max(0.0, t) * self.scale(f.get("tokens", 0.0))
 
     def predict_overhead(self, num_seqs: int) -> float:
         """Seconds of the engine's own work around a step of ``num_seqs`` sequences (0 with no overhead model)."""

@@ -296,7 +296,8 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 # fixed probe steps timed before and after each real engine run (machine drift against the profile): decode
 # batches from 1 to 48 rows, a prefill and a mixed step; about 3 s on a 2-core CPU
 PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48, 128), GridStep(prefills=((128, 0),)),
-              GridStep(8, 256, ((64, 0),)))
+              GridStep(8, 256, ((64, 0),)), GridStep(prefills=((384, 0),)))
+LARGE_PROBE_TOKENS = 128  # probe steps of at least this many tokens time the compute-bound regime
 
 
 def speed_probe(executor, repeats: int = 3) -> list[dict]:
@@ -315,6 +316,17 @@ def probe_ratio(cost_model: CostModel, probes: list[dict]) -> float | None:
     logs = [math.log(p["seconds"] / cost_model.predict_exec(p["features"])) for p in probes
             if p["seconds"] > 0 and cost_model.predict_exec(p["features"]) > 0]
     return math.exp(sum(logs) / len(logs)) if logs else None
+
+
+def probe_ratios(cost_model: CostModel, probes: list[dict]) -> dict[str, float | None]:
+    """:func:`probe_ratio` over all probe steps (``all``), over those of fewer than
+    :data:`LARGE_PROBE_TOKENS` tokens (``small``: decode batches, bound by reading weights and KV from
+    memory) and over the others (``large``: prefills, bound by arithmetic). A machine's drift is not one
+    factor: a busy neighbour slows memory-bound steps, a clock change compute-bound ones."""
+    small = [p for p in probes if p["features"].get("tokens", 0) < LARGE_PROBE_TOKENS]
+    large = [p for p in probes if p["features"].get("tokens", 0) >= LARGE_PROBE_TOKENS]
+    return {"all": probe_ratio(cost_model, probes), "small": probe_ratio(cost_model, small),
+            "large": probe_ratio(cost_model, large)}
 
 
 def gemm_probe(rows: int = 64, repeats: int = 5) -> float:

@@ -80,7 +80,11 @@ def print_summary(name: str, results: dict) -> None:
             how = ("rescaled" if d["rescaled"] else
                    f"not rescaled: beyond {d['max']:g}x, the profile does not describe this machine"
                    if d.get("beyond_max") else f"within {d['margin']:.0%}: not rescaled")
-            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x the profile's times ({how})")
+            parts = ""
+            small, large = d.get("speed_ratio_small"), d.get("speed_ratio_large")
+            if small is not None and large is not None:
+                parts = f" (decode probes {small:.3f}x, prefill probes {large:.3f}x)"
+            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x the profile's times{parts} ({how})")
     errs = [abs(v) for e in results["engines"].values() for v in
             [((e["summary"].get("sim_error") or {}).get("dist") or {}).get("output_throughput")] if v is not None]
     if any(v > SIM_ERROR_NOTE for v in errs):
