@@ -378,7 +378,8 @@ def test_trace_stats():
                                    "max": 100.0}
     assert st["output_tokens"]["max"] == 10.0
     one = trace_stats(reqs[:1])
-    assert one["rate"] == 0.0 and one["burstiness"] is None
+    assert one["rate"] is None and one["burstiness"] is None  # undefined, with the reason
+    assert set(one["undefined"]) == {"rate", "burstiness"} and st["undefined"] == {}
     conv = trace_stats(load_trace("azure", AZURE_CONV))
     assert conv["count"] == 400 and conv["duration_s"] == pytest.approx(106.330212)
     raises_one_line(["empty"], trace_stats, [])

@@ -10,7 +10,8 @@ import numpy as np
 
 from workbench.traces.azure import load_azure
 from workbench.traces.burstgpt import load_burstgpt
-from workbench.traces.common import TraceError, TraceRequest, check_file, check_seed, positive_int, read_header
+from workbench.traces.common import (TraceError, TraceRequest, check_file, check_seed, clip, positive_int, read_header,
+                                     shown)
 from workbench.traces.vidur import load_vidur
 
 LENGTH_DISTS: tuple[str, ...] = ("fixed", "uniform", "lognormal", "file")
@@ -26,7 +27,7 @@ def _length_pairs(path: str | Path) -> list[tuple[int, int]]:
             return [(r.prompt_tokens, r.output_tokens) for r in loader(p)]
     raise TraceError(
         f"{p}:1: not a lengths CSV: need columns num_prefill_tokens,num_decode_tokens (or Azure/BurstGPT columns), "
-        f"got {','.join(header) or 'nothing'}"
+        f"got {clip(','.join(header)) or 'nothing'}"
     )
 
 
@@ -38,9 +39,9 @@ def synthetic_arrivals(n: int, request_rate: float, burstiness: float = 1.0, see
     ``request_rate`` = inf puts every arrival at 0.
     """
     if not (isinstance(request_rate, (int, float)) and request_rate > 0):
-        raise TraceError(f"request_rate must be > 0 req/s (or inf), got {request_rate!r}")
+        raise TraceError(f"request_rate must be > 0 req/s (or inf), got {shown(request_rate)}")
     if not (isinstance(burstiness, (int, float)) and 0 < burstiness < math.inf):
-        raise TraceError(f"burstiness must be a finite number > 0, got {burstiness!r}")
+        raise TraceError(f"burstiness must be a finite number > 0, got {shown(burstiness)}")
     check_seed(seed)
     if math.isinf(request_rate) or n <= 1:
         return [0.0] * n
@@ -85,7 +86,7 @@ def load_synthetic(
     n = positive_int("num_requests", num_requests)
     check_seed(seed)
     if lengths not in LENGTH_DISTS:
-        raise TraceError(f"lengths must be one of {', '.join(LENGTH_DISTS)}, got {lengths!r}")
+        raise TraceError(f"lengths must be one of {', '.join(LENGTH_DISTS)}, got {shown(lengths)}")
     arrivals = synthetic_arrivals(n, request_rate, burstiness, seed)
     rng = np.random.default_rng([seed, 2])
     if lengths == "fixed":
@@ -95,7 +96,7 @@ def load_synthetic(
         bounds = []
         for name, rng_ in (("input_range", input_range), ("output_range", output_range)):
             if rng_ is None or len(rng_) != 2 or not (1 <= int(rng_[0]) <= int(rng_[1])):
-                raise TraceError(f"lengths uniform needs {name} = [lo, hi] with 1 <= lo <= hi, got {rng_!r}")
+                raise TraceError(f"lengths uniform needs {name} = [lo, hi] with 1 <= lo <= hi, got {shown(rng_)}")
             bounds.append((int(rng_[0]), int(rng_[1])))
         p_len = rng.integers(bounds[0][0], bounds[0][1] + 1, size=n)
         o_len = rng.integers(bounds[1][0], bounds[1][1] + 1, size=n)
@@ -103,9 +104,9 @@ def load_synthetic(
         draws = []
         for name, mean, sigma in (("input", input_tokens, input_sigma), ("output", output_tokens, output_sigma)):
             if not (isinstance(mean, (int, float)) and mean > 0):
-                raise TraceError(f"lengths lognormal needs {name}_tokens (the mean) > 0, got {mean!r}")
+                raise TraceError(f"lengths lognormal needs {name}_tokens (the mean) > 0, got {shown(mean)}")
             if not (isinstance(sigma, (int, float)) and sigma >= 0):
-                raise TraceError(f"lengths lognormal needs {name}_sigma >= 0, got {sigma!r}")
+                raise TraceError(f"lengths lognormal needs {name}_sigma >= 0, got {shown(sigma)}")
             mu = math.log(mean) - sigma * sigma / 2.0
             draws.append(np.rint(rng.lognormal(mu, sigma, size=n)).astype(np.int64))
         p_len, o_len = draws
@@ -118,7 +119,7 @@ def load_synthetic(
     if lengths in ("lognormal", "file"):
         for name, lo, hi in (("input", input_min, input_max), ("output", output_min, output_max)):
             if lo is None or lo < 1 or (hi is not None and hi < lo):
-                raise TraceError(f"{name}_min must be >= 1 and <= {name}_max, got {lo!r}, {hi!r}")
+                raise TraceError(f"{name}_min must be >= 1 and <= {name}_max, got {shown(lo)}, {shown(hi)}")
         p_len = np.clip(p_len, input_min, input_max)
         o_len = np.clip(o_len, output_min, output_max)
     p_len, o_len = np.maximum(p_len, 1), np.maximum(o_len, 1)

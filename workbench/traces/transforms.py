@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from workbench.traces.common import TraceError, TraceRequest, check_limit, check_seed
+from workbench.traces.common import LoadStats, TraceError, TraceRequest, check_limit, check_seed, shown
 from workbench.traces.ids import request_key, synthesize_prompt_ids
 from workbench.traces.synthetic import synthetic_arrivals
 
@@ -36,6 +36,7 @@ def apply_transforms(
     max_output_tokens: int | None = None,
     length_scale: float | None = None,
     burstiness: float | None = None,
+    stats: LoadStats | None = None,
 ) -> list[TraceRequest]:
     """Cut, sample and rescale a trace; returns new requests (the input is not changed).
 
@@ -55,6 +56,10 @@ def apply_transforms(
     Prompt token ids follow the prompt length: cutting keeps the prefix (so shared prefixes stay shared),
     growing appends synthesized ids; ``prompt_text`` is dropped once the length changed.
 
+    ``stats`` (the :class:`LoadStats` the loader filled) gets the requests ``limit`` and ``sample`` cut, as
+    skipped, and the requests whose lengths were changed, per reason: a length that ``length_scale``
+    rounded to 0 and that was raised to 1 token, a length clipped by a cap. Requests are named by id there.
+
     Raises:
         TraceError: a setting out of range (limit, sample, caps < 1; sample larger than the trace;
             negative time_scale; request_rate or length_scale <= 0), or an empty trace.
@@ -65,25 +70,29 @@ def apply_transforms(
     check_seed(seed)
     if limit is not None:
         check_limit(limit)
+        if stats is not None:
+            stats.cut(f"after the first limit={limit} requests", len(out) - limit)
         out = out[:limit]
     if sample is not None:
         if isinstance(sample, bool) or not isinstance(sample, int) or sample < 1:
-            raise TraceError(f"sample must be a positive integer, got {sample!r}")
+            raise TraceError(f"sample must be a positive integer, got {shown(sample)}")
         if sample > len(out):
             raise TraceError(f"sample={sample} is more than the {len(out)} requests in the trace")
         pick = np.sort(np.random.default_rng([seed, 3]).choice(len(out), size=sample, replace=False))
+        if stats is not None:
+            stats.cut(f"not drawn by sample={sample}", len(out) - sample)
         out = [out[i] for i in pick]
     t0 = out[0].arrival_s
     for r in out:
         r.arrival_s -= t0
     if time_scale is not None:
         if not (isinstance(time_scale, (int, float)) and 0 <= time_scale < math.inf):
-            raise TraceError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
+            raise TraceError(f"time_scale must be a finite number >= 0, got {shown(time_scale)}")
         for r in out:
             r.arrival_s *= time_scale
     if request_rate is not None:
         if not (isinstance(request_rate, (int, float)) and request_rate > 0):
-            raise TraceError(f"request_rate must be > 0 req/s (or inf), got {request_rate!r}")
+            raise TraceError(f"request_rate must be > 0 req/s (or inf), got {shown(request_rate)}")
         duration = out[-1].arrival_s
         if math.isinf(request_rate):
             for r in out:
@@ -99,18 +108,28 @@ def apply_transforms(
         raise TraceError("burstiness needs request_rate (the rate of the synthetic arrival process)")
     if length_scale is not None:
         if not (isinstance(length_scale, (int, float)) and 0 < length_scale < math.inf):
-            raise TraceError(f"length_scale must be a finite number > 0, got {length_scale!r}")
+            raise TraceError(f"length_scale must be a finite number > 0, got {shown(length_scale)}")
     for name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
-            raise TraceError(f"{name} must be a positive integer, got {cap!r}")
+            raise TraceError(f"{name} must be a positive integer, got {shown(cap)}")
     for r in out:
         p, o = r.prompt_tokens, r.output_tokens
+        where = f"request {r.request_id}"
         if length_scale is not None:
-            p, o = max(1, round(p * length_scale)), max(1, round(o * length_scale))
-        if max_input_tokens is not None:
-            p = min(p, max_input_tokens)
-        if max_output_tokens is not None:
-            o = min(o, max_output_tokens)
+            p, o = round(p * length_scale), round(o * length_scale)
+            for column, n in (("prompt_tokens", p), ("output_tokens", o)):
+                if n < 1 and stats is not None:
+                    stats.change(f"{column} rounded to 0 by length_scale {length_scale:g}, raised to 1", where,
+                                 f"{column} {getattr(r, column)} x {length_scale:g}")
+            p, o = max(1, p), max(1, o)
+        if max_input_tokens is not None and p > max_input_tokens:
+            p = max_input_tokens
+            if stats is not None:
+                stats.change(f"prompt_tokens clipped to max_input_tokens {max_input_tokens}", where)
+        if max_output_tokens is not None and o > max_output_tokens:
+            o = max_output_tokens
+            if stats is not None:
+                stats.change(f"output_tokens clipped to max_output_tokens {max_output_tokens}", where)
         if p != r.prompt_tokens:
             r.prompt_token_ids, r.prompt_text = _resize_ids(r, p, seed)
         r.prompt_tokens, r.output_tokens = p, o
