@@ -263,10 +263,24 @@ def test_scenario_trace_strict_reaches_the_loader(tmp_path):
     sc = load_scenario(write(tmp_path, "s.yaml", "name: x\ntrace: {format: vidur, path: v.csv}\n"
                                                   "engines: [{name: paged, kind: paged}]\n"))
     assert len(load_scenario_trace(sc)) == 2
-    # a trace section with strict: true (set here on the validated section)
-    strict = sc.model_copy(update={"trace": sc.trace.model_copy(update={"strict": True})})
+    strict = load_scenario(write(tmp_path, "t.yaml", "name: x\ntrace: {format: vidur, path: v.csv, strict: true}\n"
+                                                     "engines: [{name: paged, kind: paged}]\n"))
     msg = one_line_error(load_scenario_trace, strict)
     assert msg.startswith(f"{tmp_path / 'v.csv'}:3: arrived_at 0.0 is earlier") and "strict" in msg
+
+
+def test_cli_strict_and_an_apex_scenario(tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    p = write(tmp_path, "v.csv", VID_HEAD + "3.0,1,1\n0.0,2,1\n")
+    res = CliRunner().invoke(app, ["trace", "inspect", str(p), "--strict"])
+    assert res.exit_code == 2 and f"{p}:3:" in res.output and "Traceback" not in res.output
+    assert CliRunner().invoke(app, ["trace", "inspect", str(p)]).exit_code == 0
+    sc = load_scenario(write(tmp_path, "a.yaml", f"name: x\ntrace: {{format: apex, path: {APEX_EXAMPLE}}}\n"
+                                                 "engines: [{name: paged, kind: paged}]\n"))
+    assert len(load_scenario_trace(sc)) == len(load_trace("apex", APEX_EXAMPLE))
 
 
 def test_every_loader_counts_rows_out_of_order(tmp_path):

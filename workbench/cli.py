@@ -93,12 +93,14 @@ def generate(
 
 @trace_app.command("inspect")
 def trace_inspect(path: str = typer.Argument(..., help="trace file"),
-                  fmt: str = typer.Option(None, "--format", help="azure | mooncake | burstgpt | sharegpt | vidur (default: from the file name)"),
-                  as_json: bool = typer.Option(False, "--json")) -> None:
-    """Print a trace's format, count, duration, rate, burstiness and length percentiles."""
+                  fmt: str = typer.Option(None, "--format", help="azure | mooncake | burstgpt | sharegpt | vidur | apex (default: from the file name)"),
+                  as_json: bool = typer.Option(False, "--json"),
+                  strict: bool = typer.Option(False, "--strict", help="a row that would be skipped, changed or sorted is an error")) -> None:
+    """Print a trace's format, count, duration, rate, burstiness and length percentiles, and what loading
+    skipped, changed or warned about (counted, with the first row of each reason)."""
     from workbench.commands.trace import inspect
 
-    inspect(path, fmt, as_json)
+    inspect(path, fmt, as_json, strict)
 
 
 @app.command()

@@ -285,7 +285,14 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     model_dir = resolve_model(scenario.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    trace = load_scenario_trace(scenario, tok, vocab_lo=100, vocab_hi=min(model_cfg.vocab_size, 49000))
+    from workbench.traces import LoadStats
+
+    load_stats = LoadStats()
+    trace = load_scenario_trace(scenario, tok, vocab_lo=100, vocab_hi=min(model_cfg.vocab_size, 49000),
+                                stats=load_stats)
+    if echo:
+        for note in load_stats.notes():
+            echo(f"trace: {note}")
     eos = model_cfg.eos_token_ids or None
     slo = scenario.slo.model_dump() if scenario.slo else None
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -296,6 +303,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         "versions": _versions(),
         "machine": machine_info(),
         "num_requests": len(trace),
+        "trace_load": load_stats.to_dict(),
         "formulas": {**FORMULAS, **FIDELITY_FORMULAS},
         "engines": {},
     }

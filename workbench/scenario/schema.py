@@ -13,7 +13,7 @@ from workbench.scenario.common import BUILTIN_PREFIX, SpecModel, resolve_path
 from workbench.scenario.engine_spec import ANALYTIC, AUTO, EngineSpec
 from workbench.traces import FORMATS
 
-TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt", "vidur", "synthetic"]
+TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt", "vidur", "apex", "synthetic"]
 assert set(get_args(TraceFormat)) == set(FORMATS)
 
 
@@ -90,7 +90,8 @@ class TraceSpec(SpecModel):
     """Which trace to replay and how to cut and rescale it.
 
     Attributes:
-        format: a loader format (``azure``, ``mooncake``, ``burstgpt``, ``sharegpt``, ``vidur``, ``synthetic``).
+        format: a loader format (``azure``, ``mooncake``, ``burstgpt``, ``sharegpt``, ``vidur``, ``apex``,
+            ``synthetic``).
         path: trace file, relative to the scenario file's folder, or ``builtin:<file>`` for the slices in
             ``workbench/data/traces/``. Required unless format is synthetic (not allowed then).
         limit, sample, time_scale, request_rate, burstiness, max_input_tokens, max_output_tokens,
@@ -103,6 +104,9 @@ class TraceSpec(SpecModel):
         default_output_tokens: sharegpt only: output length when a conversation has no reply.
         burstgpt_model, burstgpt_log_type: burstgpt only: row filters.
         synthetic: settings for format synthetic (required then, not allowed otherwise).
+        strict: a row the loader would skip, change or warn about (rows out of arrival order, a 0-token
+            output, Mooncake block counts that disagree with the input length) is an error naming the file
+            and line instead of a counted note.
         load: offered load relative to an engine's measured capacity (:class:`LoadSpec`); sets the
             arrival rate, so it excludes ``request_rate`` and ``time_scale``.
     """
@@ -123,6 +127,7 @@ class TraceSpec(SpecModel):
     burstgpt_model: str | None = None
     burstgpt_log_type: str | None = None
     synthetic: SyntheticSpec | None = None
+    strict: bool = False
     load: LoadSpec | None = None
 
     @model_validator(mode="after")

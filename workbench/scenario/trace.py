@@ -23,7 +23,7 @@ def load_scenario_trace(scenario: Scenario, tokenizer: Any = None, vocab_lo: int
         stats: filled with what loading and the transforms skipped, changed or re-ordered
             (``workbench.traces.LoadStats``; ``stats.notes()`` are one line each).
 
-    The trace section's ``strict`` (when the schema has it) makes every row the loader would change, warn
+    The trace section's ``strict`` makes every row the loader would change, warn
     about or re-order an error.
 
     Raises:
@@ -52,7 +52,7 @@ def load_scenario_trace(scenario: Scenario, tokenizer: Any = None, vocab_lo: int
             kwargs = {"model": t.burstgpt_model, "log_type": t.burstgpt_log_type}
         if t.limit is not None:
             kwargs["limit"] = t.limit
-        if getattr(t, "strict", False):
+        if t.strict:
             kwargs["strict"] = True
         reqs = load_trace(t.format, scenario.trace_path(), stats=st, **kwargs)
     reqs = apply_transforms(reqs, limit=t.limit, sample=t.sample, seed=scenario.seed, time_scale=t.time_scale,

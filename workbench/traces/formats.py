@@ -14,10 +14,10 @@ from workbench.traces.sharegpt import load_sharegpt
 from workbench.traces.synthetic import load_synthetic
 from workbench.traces.vidur import load_vidur
 
-FORMATS: tuple[str, ...] = ("azure", "mooncake", "burstgpt", "sharegpt", "vidur", "synthetic")
-# formats that load_trace (and ``workbench trace inspect``) read but a scenario cannot name: the scenario
-# schema's TraceFormat lists exactly FORMATS, so a format moves from here to FORMATS together with it
-EXTRA_FORMATS: tuple[str, ...] = ("apex",)
+FORMATS: tuple[str, ...] = ("azure", "mooncake", "burstgpt", "sharegpt", "vidur", "apex", "synthetic")
+# formats that load_trace (and ``workbench trace inspect``) read but a scenario cannot name (none now): the
+# scenario schema's TraceFormat lists exactly FORMATS, so a format moves from here to FORMATS together with it
+EXTRA_FORMATS: tuple[str, ...] = ()
 
 
 _LOADERS: dict[str, Callable[..., list[TraceRequest]]] = {
