@@ -127,3 +127,21 @@ def test_drift_has_a_decode_and_a_prefill_factor():
     assert cm.scale(1) == 0.9 and cm.scale(4096) == 1.05
     cm.speed_scale_large = None
     assert cm.scale(4096) == 0.9
+
+
+def test_real_spread_says_whether_the_sim_is_within_the_real_repeats():
+    from workbench.fidelity import real_spread, summary_line
+
+    real = {"output_throughput": 10.0, "ttft_ms": {"p50": 100.0},
+            "repeats": {"n": 3, "metrics": {
+                "output_throughput": {"min": 9.0, "max": 11.0, "spread": 0.2},
+                "ttft_ms.p50": {"min": 80.0, "max": 120.0, "spread": 0.4}}}}
+    sim = {"output_throughput": 11.5, "ttft_ms": {"p50": 90.0}}
+    got = real_spread(sim, real)
+    assert got == {"output_throughput": {"spread": 0.2, "within_range": False},
+                   "ttft_ms.p50": {"spread": 0.4, "within_range": True}}
+    assert real_spread(sim, {"output_throughput": 10.0}) is None
+    err = {"real_engine": "paged", "step": {}, "request": {}, "real_spread": got,
+           "dist": {"output_throughput": 0.15, **{m: {"p50": 0.0, "p99": 0.0} for m in
+                                                  ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
+    assert "1 of 2 figures within the real repeats' range" in summary_line(err)

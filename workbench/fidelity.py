@@ -29,6 +29,7 @@ FORMULAS = {
     "profile": "a sim engine's cost model: path, fingerprint (CPU model and ISA flags, torch CPU kernel level, threads, torch version, model and its config hash, dtype, weight dtype, attention kernels) and when it was measured; cost_model auto measures this machine's on first use (workbench.calibration)",
     "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed; speed_ratio = geometric mean over all of them of measured / profile-predicted executor seconds; speed_ratio_small and speed_ratio_large = the same over probe steps of fewer and of at least engines.sim.profiler.LARGE_PROBE_TOKENS tokens; when either is off by more than margin and both are within [1 / max, max] the sim engine's predictions are multiplied by a factor of the step's tokens: speed_ratio_small up to 64 tokens, speed_ratio_large from 256 tokens, linear in log(tokens) between (CostModel.scale; rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
+    "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat",
 }
 
 
@@ -124,12 +125,32 @@ def dist_errors(sim: dict, real: dict) -> dict:
     return out
 
 
+def real_spread(sim: dict, real: dict) -> dict | None:
+    """For each figure of :func:`dist_errors` that the real twin repeated: its repeat-to-repeat ``spread``
+    ((max - min) / mean over the repeats) and whether the simulated value lies within the repeats' range
+    (``within_range``), keyed ``output_throughput`` and ``<metric>.<stat>``; None without repeats."""
+    rep = ((real.get("repeats") or {}).get("metrics")) or {}
+    if not rep:
+        return None
+    out = {}
+    for key in ["output_throughput"] + [f"{m}.{k}" for m in DIST_METRICS for k in DIST_STATS]:
+        metric, _, stat = key.partition(".")
+        s = sim.get(metric)
+        s = (s or {}).get(stat) if stat else s
+        r = rep.get(key)
+        if r is None or s is None:
+            continue
+        out[key] = {"spread": r["spread"], "within_range": bool(r["min"] <= s <= r["max"])}
+    return out
+
+
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
               real_steps: list) -> dict:
     """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name`` (``*_runs``: each
     repeat's outputs; ``real_steps``: the step records of every real repeat)."""
     return {"real_engine": real_name, "step": step_errors(cost_model, real_steps),
-            "request": request_errors(sim_runs, real_runs), "dist": dist_errors(sim_summary, real_summary)}
+            "request": request_errors(sim_runs, real_runs), "dist": dist_errors(sim_summary, real_summary),
+            "real_spread": real_spread(sim_summary, real_summary)}
 
 
 def summary_line(err: dict) -> str:
@@ -144,6 +165,10 @@ def summary_line(err: dict) -> str:
              f"E2EL p50 {pct(d['e2el_ms']['p50'])} p99 {pct(d['e2el_ms']['p99'])}"]
     if rq.get("e2el_mape") is not None:
         parts.append(f"per-request MAPE TTFT {rq['ttft_mape']:.1%} E2EL {rq['e2el_mape']:.1%}")
+    spread = err.get("real_spread")
+    if spread:
+        inside = sum(v["within_range"] for v in spread.values())
+        parts.append(f"{inside} of {len(spread)} figures within the real repeats' range")
     if st.get("n_steps"):
         nf = st.get("noise_floor")
         sm = st.get("shape_median_mape")
@@ -152,5 +177,5 @@ def summary_line(err: dict) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["FORMULAS", "dist_errors", "request_errors", "shape_key", "sim_error", "step_errors", "summary_line"
-           ]
+__all__ = ["FORMULAS", "dist_errors", "real_spread", "request_errors", "shape_key", "sim_error", "step_errors",
+           "summary_line"]

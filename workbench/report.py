@@ -258,6 +258,13 @@ def load_lines(results: dict) -> list[str]:
     return lines
 
 
+def _within(spread: dict | None) -> str:
+    """``k of n`` distribution figures that lie within the real repeats' range (n/a without repeats)."""
+    if not spread:
+        return "n/a"
+    return f"{sum(v['within_range'] for v in spread.values())} of {len(spread)}"
+
+
 def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
     """The sim-vs-real error table (``summary.sim_error``, see ``workbench.fidelity``): one row per sim engine,
     signed errors of the distribution, per-request MAPEs, the step level's per-shape medians and noise floor."""
@@ -266,7 +273,7 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
 
     headers = ["sim engine", "vs real engine", "output throughput", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99",
                "E2EL p50", "E2EL p99", "request TTFT MAPE", "request E2EL MAPE", "step MAPE",
-               "step per-shape median MAPE", "step noise floor"]
+               "step per-shape median MAPE", "step noise floor", "figures within the real repeats' range"]
     rows = []
     for n, e in results["engines"].items():
         err = e["summary"].get("sim_error")
@@ -277,7 +284,8 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
                      pct(d["ttft_ms"]["p99"]), pct(d["tpot_ms"]["p50"]), pct(d["itl_ms"]["p99"]),
                      pct(d["e2el_ms"]["p50"]), pct(d["e2el_ms"]["p99"]), pct(rq.get("ttft_mape"), False),
                      pct(rq.get("e2el_mape"), False), pct(st.get("mape"), False),
-                     pct(st.get("shape_median_mape"), False), pct(st.get("noise_floor"), False)])
+                     pct(st.get("shape_median_mape"), False), pct(st.get("noise_floor"), False),
+                     _within(err.get("real_spread"))])
     return headers, rows
 
 
