@@ -5,8 +5,9 @@ gathering them into a padded copy as the PyTorch reference does; on a 2-core mac
 about a third of a batch-64 decode step. The build takes about a minute once and is cached under
 ``$WORKBENCH_CACHE/torch_extensions`` (default ``~/.cache/workbench``), one folder per torch version,
 source file and Python environment, so that two checkouts or venvs on one machine do not rebuild it in
-turn. If the build fails (no
-compiler), ``available()`` is False and callers use the reference.
+turn. If the build fails (no compiler), ``available()`` is False, callers use the reference, and
+``build_error()`` keeps the error (with the compiler's output) for the warning and for tests that need the
+kernel: in CI those fail with it instead of skipping.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 _mod = None
 _failed = False
+_error: str | None = None  # why the kernel is unavailable, once load() has failed
 
 
 def _build_dir() -> Path:
@@ -32,33 +34,46 @@ def _build_dir() -> Path:
     return d
 
 
+def _build():
+    """Compile (or load the cached build of) the extension; raises whatever the build raises."""
+    from torch.utils.cpp_extension import load as _load
+
+    return _load(
+        name="workbench_paged_attention_cpu",
+        sources=[str(_SRC)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(_build_dir()),
+        verbose=False,
+    )
+
+
 def load():
-    """The compiled module, building it if needed; None if it cannot be built (or WORKBENCH_NO_CPP=1)."""
-    global _mod, _failed
+    """The compiled module, building it if needed; None if it cannot be built (or WORKBENCH_NO_CPP=1),
+    with the reason in :func:`build_error`."""
+    global _mod, _failed, _error
     if _mod is not None or _failed:
         return _mod
     if os.environ.get("WORKBENCH_NO_CPP") == "1":
-        _failed = True
+        _failed, _error = True, "disabled by WORKBENCH_NO_CPP=1"
         return None
     try:
-        from torch.utils.cpp_extension import load as _load
-
-        _mod = _load(
-            name="workbench_paged_attention_cpu",
-            sources=[str(_SRC)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
-            verbose=False,
-        )
+        _mod = _build()
     except Exception as e:  # no compiler or headers: fall back to the reference
-        warnings.warn(f"CPU paged-attention kernel unavailable, using the PyTorch reference: {e}")
-        _failed = True
+        _failed, _error = True, f"{type(e).__name__}: {e}".strip()
+        warnings.warn(f"CPU paged-attention kernel unavailable, using the PyTorch reference: {_error}")
     return _mod
 
 
 def available() -> bool:
+    """True when the compiled module loads (building it on the first call)."""
     return load() is not None
+
+
+def build_error() -> str | None:
+    """Why the kernel is unavailable (the build's exception with the compiler's output, or the
+    ``WORKBENCH_NO_CPP`` switch); None when it loaded or :func:`load` has not failed."""
+    return _error
 
 
 def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,5 +99,5 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
     """
     mod = load()
     if mod is None:
-        raise RuntimeError("CPU paged-attention kernel is unavailable")
+        raise RuntimeError(f"CPU paged-attention kernel is unavailable: {_error}")
     return mod.paged_attention_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, float(scale))

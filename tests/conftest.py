@@ -45,3 +45,32 @@ def smollm2_dir():
     from engines.real.model_store import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+def strict_prerequisites() -> bool:
+    """True in CI (``CI=true``, as CI runners set it, or ``1``/``yes``) or with ``WORKBENCH_REQUIRE_ALL=1``
+    (``.ci/run`` exports it): a test whose prerequisite is missing (a compiler for the CPU kernel, Chromium)
+    must fail there, not skip."""
+    return (os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+            or os.environ.get("WORKBENCH_REQUIRE_ALL", "").strip() == "1")
+
+
+def require_prerequisite(ok: bool, what: str, detail: str | None = None) -> None:
+    """Nothing when ``ok``; else skip the test on a developer machine, and fail it loudly in CI
+    (:func:`strict_prerequisites`) with ``detail`` (say, a build's error output) in the failure text.
+
+    ``what`` names the missing prerequisite in one line, e.g. ``"the CPU kernel did not build"``.
+    """
+    if ok:
+        return
+    if strict_prerequisites():
+        pytest.fail(f"{what} (required in CI: CI=true or WORKBENCH_REQUIRE_ALL=1)"
+                    + (f"\n{detail}" if detail else ""), pytrace=False)
+    first = (detail or "").strip().splitlines()
+    pytest.skip(f"{what}" + (f": {first[0]}" if first else "") + " (skipped outside CI; CI fails here)")
+
+
+@pytest.fixture
+def require():
+    """:func:`require_prerequisite`, for tests: ``require(ok, what, detail)`` skips locally, fails in CI."""
+    return require_prerequisite
