@@ -185,12 +185,13 @@ def gate(results: List[str] = typer.Argument(None, help="results.json files or r
          out: Optional[str] = typer.Option(None, "--out", help="folder for the --scenario runs"),
          update_baseline: bool = typer.Option(False, "--update-baseline", help="write the results as the new baseline"),
          force: bool = typer.Option(False, "--force", help="gate against a baseline of another scenario anyway"),
-         show_all: bool = typer.Option(False, "--show-all", help="print every check, not only the violated ones")) -> None:
+         show_all: bool = typer.Option(False, "--show-all", help="print every check, not only the violated ones"),
+         allow_failed: bool = typer.Option(False, "--allow-failed", help="do not require num_failed == 0 on every engine")) -> None:
     """Exit 1 with a table of every violated bound (metric, engine, baseline, value, bound), 0 otherwise."""
     from workbench.commands.gate import main
 
     raise typer.Exit(main(results or [], baseline, max_drop, max_rise, max_change, ratio, scenario, repeat, set_, out,
-                          update_baseline, force, show_all))
+                          update_baseline, force, show_all, allow_failed))
 
 
 @app.command("kv-calc")
