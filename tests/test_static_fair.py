@@ -17,6 +17,7 @@ from engines.sim.cost_model import CostModel, step_features
 from engines.sim.simulator import make_sim_engine, simulate
 from workbench.metrics import request_metrics
 from workbench.scenario import ScenarioError, scenario_hash, validate_scenario
+from conftest import require_prerequisite
 
 CM = CostModel({"const": 0.01, "tokens": 0.001, "decode_ctx": 0.0, "prefill_attn": 0.0, "sampled": 0.0})
 
@@ -141,8 +142,8 @@ def _prepared_steps(llm):
 def test_real_padded_batch_matches_each_prompt_alone(tiny_llama_dir, device, backend):
     from kernels import cpu_ops
 
-    if backend == "cpp" and not cpu_ops.available():
-        pytest.skip("compiled CPU kernel unavailable")
+    if backend == "cpp":
+        require_prerequisite(cpu_ops.available(), "the compiled CPU kernel did not build", cpu_ops.build_error())
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU")
     g = torch.Generator().manual_seed(4)
@@ -196,8 +197,7 @@ def test_decode_kernels_accept_a_repeated_scratch_block_table(backend):
     if backend == "cpp":
         from kernels import cpu_ops
 
-        if not cpu_ops.available():
-            pytest.skip("compiled CPU kernel unavailable")
+        require_prerequisite(cpu_ops.available(), "the compiled CPU kernel did not build", cpu_ops.build_error())
         decode = cpu_ops.paged_attention_decode
     elif backend == "triton":
         ops = pytest.importorskip("kernels.triton_attention")
