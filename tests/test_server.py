@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import random
 import shutil
 import threading
 import time
@@ -57,6 +58,46 @@ def greedy(max_tokens=12, **kw):
 
 def metrics(url: str) -> dict[str, float]:
     return parse_metrics(httpx.get(url + "/metrics").text)
+
+
+def successes(url: str) -> dict[str, float]:
+    """``vllm:request_success_total`` by ``finished_reason``."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            reason = line.split('finished_reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.split()[-1])
+    return out
+
+
+def last_step(engine):
+    """A mark for :func:`steps_since`: the engine's latest step record (None before the first)."""
+    return engine.steps[-1] if engine.steps else None
+
+
+def steps_since(engine, mark) -> list:
+    """The engine's step records after ``mark`` (all of them if the server has dropped it: it keeps the
+    recent ones only)."""
+    steps = list(engine.steps)
+    for i in range(len(steps) - 1, -1, -1):
+        if steps[i] is mark:
+            return steps[i + 1:]
+    return steps
+
+
+def fresh_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids no other test sends (so the prefix cache has nothing of them yet)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll ``/metrics`` until no request runs or waits; returns the last sample."""
+    deadline = time.time() + timeout
+    while (m := metrics(url))["vllm:num_requests_running"] != 0 or m["vllm:num_requests_waiting"] != 0:
+        assert time.time() < deadline, f"requests still running: {m}"
+        time.sleep(0.05)
+    return m
 
 
 def test_models_and_greedy_completion_equal_offline(server, client, offline):
@@ -222,7 +263,7 @@ def test_64_concurrent_streaming_clients_match_offline_engine(server, offline):
     url, state = server
     ps = prompts(64)
     want = offline.generate(ps, greedy(16))
-    steps_before = len(state.llm.engine.steps)
+    mark = last_step(state.llm.engine)
 
     async def main():
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as cl:
@@ -231,7 +272,7 @@ def test_64_concurrent_streaming_clients_match_offline_engine(server, offline):
     got = asyncio.run(main())
     assert [f for _, f in got] == [w.finish_reason for w in want]
     assert [ids for ids, _ in got] == [w.token_ids for w in want]
-    steps = state.llm.engine.steps[steps_before:]
+    steps = steps_since(state.llm.engine, mark)
     assert max(s.num_seqs for s in steps) > 8  # clients shared batches (continuous batching across clients)
 
 
@@ -307,3 +348,244 @@ def test_non_streaming_client_that_gives_up_is_aborted(small_server):
         assert time.time() < deadline, "the abandoned request was not aborted"
         time.sleep(0.02)
     assert parse_metrics(text)["vllm:num_requests_running"] == 0
+
+
+# ------------------------------------------------------------------------------- prefix-cache counters
+
+
+def _post(url: str, path: str = "/v1/completions", **body) -> httpx.Response:
+    return httpx.post(url + path, json={"model": "tiny", **body}, timeout=60)
+
+
+def _prefix_delta(url: str, bodies: list[dict], path: str = "/v1/completions") -> tuple[float, float]:
+    """(queried, hit) prefix-cache tokens of sending ``bodies`` one after the other."""
+    before = metrics(url)
+    for b in bodies:
+        r = _post(url, path, **b)
+        assert r.status_code == 200, r.text
+    after = metrics(url)
+    return tuple(after[f"vllm:prefix_cache_{k}_total"] - before[f"vllm:prefix_cache_{k}_total"]
+                 for k in ("queries", "hits"))
+
+
+def test_prefix_cache_counters_count_queried_and_hit_tokens(server):
+    url, state = server
+    bs = state.llm.engine.scheduler.kv.block_size
+    ids = fresh_prompt(1, 5 * bs + 3)  # 5 full blocks and a partial one
+    queried, hit = _prefix_delta(url, [dict(prompt=ids, max_tokens=2, temperature=0)] * 2)
+    assert queried == 2 * len(ids)  # every admission queries its whole prompt
+    assert hit == 5 * bs  # the second finds the first's 5 full blocks (the last token is always computed)
+
+
+def test_cache_salt_isolates_the_prefix_cache(server):
+    url, state = server
+    bs = state.llm.engine.scheduler.kv.block_size
+    ids = fresh_prompt(2, 6 * bs + 1)
+    body = dict(prompt=ids, max_tokens=2, temperature=0)
+    assert _prefix_delta(url, [{**body, "cache_salt": "tenant-a"}, {**body, "cache_salt": "tenant-b"}])[1] == 0
+    assert _prefix_delta(url, [body])[1] == 0  # unsalted: no hit on salted blocks either
+    assert _prefix_delta(url, [{**body, "cache_salt": "tenant-a"}])[1] == 6 * bs  # same salt: hits
+    # chat takes it too
+    msgs = [{"role": "user", "content": " ".join(WORDS * 4)}]
+    chat = dict(messages=msgs, max_tokens=2, temperature=0)
+    assert _prefix_delta(url, [{**chat, "cache_salt": "x"}, {**chat, "cache_salt": "y"}], "/v1/chat/completions")[1] == 0
+    assert _prefix_delta(url, [{**chat, "cache_salt": "y"}], "/v1/chat/completions")[1] > 0
+    for bad in ("", 5):
+        r = _post(url, prompt="x", max_tokens=2, cache_salt=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+# ------------------------------------------------------------------------------------------ request ids
+
+
+def test_client_request_ids_are_labels_and_never_shared(server, offline):
+    url, state = server
+    ps = ["paged attention blocks", "the lazy dog jumps over"]
+    want = offline.generate(ps, greedy(120, ignore_eos=True))
+    mark = last_step(state.llm.engine)
+
+    async def one(cl: httpx.AsyncClient, prompt: str):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 120, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        ids, finish, chunk_ids = [], None, set()
+        async with cl.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": "same-label"}) as r:
+            assert r.status_code == 200 and r.headers["x-request-id"] == "same-label"
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                chunk_ids.add(obj["id"])
+                ids += obj["choices"][0]["token_ids"]
+                finish = obj["choices"][0]["finish_reason"] or finish
+        return ids, finish, chunk_ids
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as cl:
+            return await asyncio.gather(*[one(cl, p) for p in ps])
+
+    got = asyncio.run(main())
+    assert [ids for ids, _, _ in got] == [w.token_ids for w in want]  # neither saw the other's state
+    assert [f for _, f, _ in got] == ["length", "length"]
+    assert all(c == {"cmpl-same-label"} for _, _, c in got)  # the label names both responses...
+    assert max(s.num_seqs for s in steps_since(state.llm.engine, mark)) == 2  # ...which ran together
+    # the body's request_id is a label too; the header wins over it; no label: a fresh id
+    r = _post(url, prompt="fox", max_tokens=2, request_id="body-label")
+    assert r.json()["id"] == "cmpl-body-label" and r.headers["x-request-id"] == "body-label"
+    r = httpx.post(url + "/v1/chat/completions", headers={"X-Request-Id": "hdr"}, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "fox"}], "max_tokens": 2, "request_id": "body"})
+    assert r.json()["id"] == "chatcmpl-hdr" and r.headers["x-request-id"] == "hdr"
+    a, b = (_post(url, prompt="fox", max_tokens=2).json()["id"] for _ in range(2))
+    assert a != b and a.startswith("cmpl-")
+    for bad in ("has space", "x" * 257, ""):
+        r = _post(url, prompt="fox", max_tokens=2, request_id=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
+def test_a_request_the_engine_refuses_fails_alone(server, monkeypatch):
+    url, state = server
+
+    def refuse(request):
+        raise ValueError(f"request {request.request_id}: a request with this id is already in flight")
+
+    monkeypatch.setattr(state.llm.engine, "add_request", refuse)
+    r = _post(url, prompt="fox", max_tokens=4)
+    assert r.status_code == 500 and "already in flight" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert _post(url, prompt="fox", max_tokens=4).status_code == 200  # the engine loop lives on
+    wait_idle(url)
+
+
+# ------------------------------------------------------------------------------------------ gauges
+
+
+def test_gauges_show_admitted_and_queued_requests_during_a_long_step(model_dir):
+    llm = LLM(model_dir, max_num_seqs=1, step_delay_s=0.4, **KNOBS)
+    steps = llm.engine.steps
+    with running_server(build_app(llm, "tiny")) as url:
+        before = len(steps)
+        body = {"model": "tiny", "prompt": [fresh_prompt(10 + i, 150) for i in range(4)], "max_tokens": 1}
+        call = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=body, timeout=60))
+        call.start()
+        seen = []
+        deadline = time.time() + 10
+        while not seen and time.time() < deadline:
+            k = len(steps)
+            m = metrics(url)
+            if k == len(steps) == before:  # no step has ended yet: the first one is running
+                if (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (1, 3):
+                    seen.append(m)
+            time.sleep(0.01)
+        call.join(30)
+        assert seen, "while the first step ran, /metrics never showed 1 running and 3 waiting"
+        assert seen[0]["vllm:kv_cache_usage_perc"] > 0
+        m = wait_idle(url)
+        assert m["vllm:kv_cache_usage_perc"] == 0.0
+        assert successes(url) == {"length": 4}
+
+
+def test_aborted_n2_requests_count_once_and_gauges_stay_sane(server):
+    url, state = server
+    before = successes(url)
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append(metrics(url))
+
+    async def leave_n2(cl: httpx.AsyncClient, prompt: str):
+        body = {"model": "tiny", "prompt": prompt, "n": 2, "max_tokens": 200, "stream": True, "ignore_eos": True}
+        async with cl.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    return  # drop the connection: both choices are aborted
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=None)) as cl:
+            await asyncio.gather(*[leave_n2(cl, p) for p in prompts(16)])
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    asyncio.run(main())
+    m = wait_idle(url)
+    stop.set()
+    sampler.join()
+    after = successes(url)
+    assert after.get("abort", 0) - before.get("abort", 0) == 16  # requests, not choices
+    assert sum(after.values()) - sum(before.values()) == 16
+    assert all(s["vllm:num_requests_running"] >= 0 and s["vllm:num_requests_waiting"] >= 0 for s in samples)
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
+    kv = state.llm.engine.scheduler.kv
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks and not state.llm.engine.scheduler.requests
+
+
+# ------------------------------------------------------------------------------------------ 400s
+
+
+def test_context_length_error_names_prompt_tokens_max_tokens_and_the_rule(server):
+    url, _ = server
+    rule = "prompt tokens + max_tokens must be <= max_model_len (256)"
+    r = _post(url, prompt=[5] * 256, max_tokens=1)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt"
+    assert rule in err["message"] and "256 prompt tokens + max_tokens 1 = 257" in err["message"]
+    r = _post(url, prompt=[5] * 250)  # the default max_tokens (16) does not fit
+    assert r.status_code == 400 and "250 prompt tokens + max_tokens 16 (the default) = 266" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "max_tokens"
+    r = _post(url, "/v1/chat/completions", messages=[{"role": "user", "content": "dog " * 300}])
+    assert r.status_code == 400 and rule in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_bad_values_are_refused_with_400_not_a_server_error(server, small_server):
+    url, _ = server
+    cases = [
+        (dict(prompt="x", max_tokens=2, best_of=2), "best_of"),
+        (dict(prompt="x", max_tokens=2, logit_bias={"5": 10}), "logit_bias"),
+        (dict(prompt="x", max_tokens=2, guided_json={"type": "object"}), "guided_json"),
+        (dict(prompt="x", max_tokens=2, seed=2**70), "seed"),
+        (dict(prompt="x", max_tokens=2, n=65), "n"),
+    ]
+    for body, param in cases:
+        r = _post(url, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert _post(url, prompt="x", max_tokens=2, best_of=1).status_code == 200  # neutral values are fine
+    for raw in ('{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": NaN}',
+                '{"model": "tiny", "prompt": "x", "max_tokens": 2, "top_p": Infinity}'):
+        r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+    r = _post(url, prompt="x", max_tokens=3, temperature=1e-300)  # raised to 0.01 (logits would overflow)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = _post(url, prompt="x", max_tokens=3, top_p=5e-324)  # float32 rounds it to 0: the top token alone
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = httpx.post(url + "/v1/completions", content=b"\xff\xfe{", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400  # not UTF-8: OpenAI-shaped all the same
+    chat = "/v1/chat/completions"
+    r = _post(url, chat, messages=[{"role": "user", "content": "x"}], max_completion_tokens=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
+    r = _post(url, chat, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}], max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0"
+    # more sequences than the waiting queue could ever hold is the client's error, not a 503
+    r = httpx.post(small_server + "/v1/completions", headers={"Authorization": "Bearer sekret"},
+                   json={"model": "tiny", "prompt": "dog", "max_tokens": 2, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_continuous_usage_stats_give_the_usage_in_every_chunk(server):
+    r = httpx.post(server[0] + "/v1/completions", json={
+        "model": "tiny", "prompt": "fox", "max_tokens": 5, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4, 5, 5]
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+
+
+def test_an_event_stays_on_one_line_for_any_line_splitter():
+    from workbench.serve.app import _sse
+
+    obj = {"text": "a\u2028b\u2029c\x85d\x1ce\u00e9"}  # what random tokens of a byte-level BPE can decode to
+    event = _sse(obj)
+    assert len(event.rstrip("\n").splitlines()) == 1 and json.loads(event[6:]) == obj

@@ -3,15 +3,28 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or, with
 ``stream: true``, server-sent events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics``
 (Prometheus text, vLLM's names), and vLLM's ``POST /tokenize`` / ``POST /detokenize``. Extensions as in vLLM: ``ignore_eos``, ``top_k``, ``return_token_ids``
-(each choice / chunk carries its ``token_ids``), and a completions ``prompt`` may be token ids.
+(each choice / chunk carries its ``token_ids``), ``cache_salt`` (mixed into the request's prefix-cache
+block hashes: requests share cached KV only with requests of the same salt), and a completions
+``prompt`` may be token ids.
+
+Request ids: the engine's ids are the server's own (a fresh uuid per API call, ``-<choice>`` per
+sequence), so clients can never make two requests share engine state. A client's ``X-Request-Id``
+header (or, failing that, the body's ``request_id``) is a label only, as in vLLM: the response's ``id``
+is ``cmpl-<label>`` / ``chatcmpl-<label>``, the response echoes it in ``X-Request-Id``, and the logs
+name it next to the engine's ids. Without a label the id is ``cmpl-<uuid>``.
+
+Request fields: unknown ones are accepted and ignored (as vLLM), but the OpenAI / vLLM generation
+controls this server does not implement (``UNSUPPORTED_FIELDS``: ``best_of``, ``logit_bias``, guided
+decoding...) are refused with a 400 when set to anything but their neutral value. Floats must be
+finite; a temperature in (0, 0.01) is raised to 0.01, as vLLM does (smaller ones overflow the logits).
 
 Streaming sends one chunk per generated token (its text may be empty while a multi-byte character or a
 possible stop string is held back), so client-side inter-token latencies are per token, as
 ``vllm bench serve`` measures them. A client that disconnects has its requests aborted (KV freed).
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad parameter,
-prompt over ``max_model_len``), 401 (missing or wrong API key), 404 (unknown model), 503 (waiting
-queue full), 500 (engine failure).
+body that is not JSON, prompt over ``max_model_len``, more sequences than the waiting queue holds), 401
+(missing or wrong API key), 404 (unknown model or path), 503 (waiting queue full), 500 (engine failure).
 """
 
 from __future__ import annotations
@@ -19,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import time
 import uuid
 from typing import Any
@@ -27,32 +42,59 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engines.core.request import Request
 from engines.core.sampling_params import SamplingParams
 from workbench.serve.async_engine import AsyncEngine, QueueFullError, RequestGroup
 from workbench.serve.prom import ServerMetrics
 
+log = logging.getLogger("workbench.serve")
+
 # ------------------------------------------------------------------------------------------ protocol
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the usage; with ``continuous_usage_stats`` too, every chunk
+    carries the usage so far (vLLM's extension)."""
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by completions and chat requests (unknown fields are accepted and ignored)."""
+# OpenAI / vLLM request fields that change what is generated and that this server does not implement:
+# refused (400) when set to anything but one of their neutral values, never silently ignored
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""), "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,), "min_tokens": (None, 0), "min_p": (None, 0), "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "logits_processors": (None,),
+    "truncate_prompt_tokens": (None,), "prompt_embeds": (None,), "response_format": (None, {"type": "text"}),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"),
+}
+LABEL_RE = re.compile(r"[!-~]{1,256}")  # a client's request label: printable ASCII, no spaces
+MIN_TEMPERATURE = 0.01  # vLLM's floor for a non-zero temperature (_MAX_TEMP in vllm/sampling_params.py)
+INT64 = 2**63
 
-    model_config = ConfigDict(extra="allow")
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by completions and chat requests.
+
+    Unknown fields are accepted and ignored, except ``UNSUPPORTED_FIELDS`` (refused when set). Floats
+    must be finite (NaN or Infinity, which Python's JSON parser accepts, are refused).
+    """
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
-    seed: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    n: int = Field(1, ge=1, le=64)
+    seed: int | None = Field(None, ge=-INT64, le=INT64 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -62,6 +104,8 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    request_id: str | None = None  # a label for logs and the response id; X-Request-Id wins over it
+    cache_salt: str | None = Field(None, min_length=1, max_length=4096)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -71,7 +115,7 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 class TokenizeRequest(BaseModel):
@@ -91,8 +135,8 @@ class DetokenizeRequest(BaseModel):
 class APIError(Exception):
     """An OpenAI-style error response."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -172,9 +216,17 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'invalid')})"
+                            ).response()
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         return APIError(400, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid request')}",
                         ".".join(loc) or None).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):  # e.g. a body that is not UTF-8, an unknown path
+        detail = exc.detail if isinstance(exc.detail, str) else "invalid request"
+        return JSONResponse(APIError(exc.status_code, detail).body(), status_code=exc.status_code, headers=exc.headers)
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -222,7 +274,8 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
         _check_model(state, body.model)
         prompt = _chat_prompt(state, body.messages)
-        sp = _sampling_params(state, body, body.max_completion_tokens or body.max_tokens, [len(prompt)], None)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        sp = _sampling_params(state, body, max_tokens, [len(prompt)], None)
         return await _respond(state, request, body, [prompt], sp, chat=True)
 
     return app
@@ -263,7 +316,10 @@ def _chat_prompt(state: ServerState, messages: list[dict]) -> list[int]:
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if not all(isinstance(t, str) for t in parts):
+                raise APIError(400, f"messages.{i}: a text content part needs a string text", f"messages.{i}")
+            content = "".join(parts)
         if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
             raise APIError(400, f"messages.{i}: needs a string role and text content", f"messages.{i}")
         msgs.append({"role": m["role"], "content": content or ""})
@@ -281,6 +337,10 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
     ``max_tokens`` defaults to ``default_max_tokens`` (16 for completions, as OpenAI and vLLM) or, when
     that is None (chat), to what is left of ``max_model_len`` (and of the KV pool) after the longest prompt.
     """
+    extra = body.model_extra or {}
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        if name in extra and not any(extra[name] == v for v in neutral):
+            raise APIError(400, f"{name} is not supported by this server", name)
     if body.logprobs not in (None, False):
         raise APIError(400, "logprobs is not supported by this server", "logprobs")
     for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -289,33 +349,46 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
             raise APIError(400, f"{name} is not supported by this server (only {neutral})", name)
     if getattr(body, "echo", False):
         raise APIError(400, "echo is not supported by this server", "echo")
-    if not 1 <= body.n <= 64:
-        raise APIError(400, f"n must be between 1 and 64, got {body.n}", "n")
-    longest = max(prompt_lens)
-    if longest >= state.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, your "
-                            f"prompt has {longest} tokens.", "prompt" if isinstance(body, CompletionRequest) else "messages")
-    if max_tokens is None:
-        max_tokens = (default_max_tokens if default_max_tokens is not None
-                      else min(state.max_model_len, state.pool_tokens) - longest)
+    limit, longest = state.max_model_len, max(prompt_lens)
+    prompt_param = "prompt" if isinstance(body, CompletionRequest) else "messages"
+    rule = f"prompt tokens + max_tokens must be <= max_model_len ({limit})"
+    default = ""
+    if max_tokens is None and default_max_tokens is None:  # whatever room is left after the prompt
+        if longest >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens: {rule}, but the prompt has "
+                                f"{longest} tokens, which leaves no room for a completion token.", prompt_param)
+        max_tokens, default = max(1, min(limit, state.pool_tokens) - longest), " (the default: what is left)"
+    elif max_tokens is None:
+        max_tokens, default = default_max_tokens, " (the default)"
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if 0 < temperature < MIN_TEMPERATURE:
+        log.warning("temperature %g is below %g, which overflows the logits; raised to %g (as vLLM does)",
+                    temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+        temperature = MIN_TEMPERATURE
+    top_p, top_k = 1.0 if body.top_p is None else body.top_p, body.top_k or 0
+    if top_p < 1.0 / state.vocab_size:  # the nucleus is the most likely token alone (its probability is
+        top_k = 1                       # >= 1/vocab): sample it as such, not through a top_p that float32 rounds to 0
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0, seed=body.seed,
+    sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed,
                         stop=[s for s in stop if s], ignore_eos=body.ignore_eos)
     bad = sp.validate()
     if bad:
         raise APIError(400, bad, bad.split(" ", 1)[0])
-    if longest + max_tokens > state.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-                            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} in the "
-                            f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+    if longest + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens: {rule}, but this request has "
+                            f"{longest} prompt tokens + max_tokens {max_tokens}{default} = {longest + max_tokens}. "
+                            f"Please reduce the prompt or max_tokens.",
+                       prompt_param if longest >= limit else "max_tokens")
     return sp
 
 
 # --------------------------------------------------------------------------------- n (parallel sampling)
 def fan_out_requests(state: ServerState, prompts: list[list[int]], sp: SamplingParams, n: int,
-                     id_prefix: str) -> list[Request]:
-    """The engine requests of one API call; choice ``index = prompt_index * n + i``.
+                     id_prefix: str, cache_salt: str | None = None) -> list[Request]:
+    """The engine requests of one API call, ids ``{id_prefix}-{index}``; choice ``index = prompt_index * n + i``.
+
+    ``id_prefix`` must be the server's own (unique per call), never a client's label. ``cache_salt`` is
+    set on every request (the KV manager mixes it into the prompt's block hashes).
 
     ``n`` is done in the server: one engine request per choice, the ``i``-th with seed ``seed + i``
     when a seed is given (so the choices differ but the call is reproducible; the engine's own
@@ -333,17 +406,23 @@ def fan_out_requests(state: ServerState, prompts: list[list[int]], sp: SamplingP
         for i in range(n):
             params = sp if n == 1 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i, stop=list(sp.stop))
             reqs.append(Request(f"{id_prefix}-{p * n + i}", list(ids), params, arrival_time=now, eos_token_id=eos))
+    for r in reqs:
+        r.cache_salt = cache_salt
     return reqs
 # ---------------------------------------------------------------------------------------------------
 
 
-def _submit(state: ServerState, reqs: list[Request]) -> RequestGroup:
+def _submit(state: ServerState, reqs: list[Request], n: int) -> RequestGroup:
+    limit = state.engine.max_waiting
+    if limit is not None and len(reqs) > limit:  # could never be queued: the client's to fix, not a 503
+        raise APIError(400, f"this request needs {len(reqs)} sequences (prompts x n) but the server queues at most "
+                            f"{limit}; send fewer prompts or a smaller n", "n")
     for r in reqs:  # same checks as the scheduler's admission (e.g. the KV pool size)
         reason = state.llm.engine.scheduler.validate(r)
         if reason:
             raise APIError(400, reason)
     try:
-        return state.engine.submit(reqs)
+        return state.engine.submit(reqs, choices_per_prompt=n)
     except QueueFullError as e:
         raise APIError(503, str(e)) from None
     except RuntimeError as e:
@@ -355,15 +434,31 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def _request_label(http: HTTPRequest, body: _SamplingRequest) -> str | None:
+    """The client's label for this call: the ``X-Request-Id`` header, else the body's ``request_id``."""
+    header = http.headers.get("x-request-id")
+    label, param = (header, "X-Request-Id") if header is not None else (body.request_id, "request_id")
+    if label is not None and not LABEL_RE.fullmatch(label):
+        raise APIError(400, f"{param} must be 1 to 256 printable ASCII characters without spaces", param)
+    return label
+
+
 async def _respond(state: ServerState, http: HTTPRequest, body: _SamplingRequest, prompts: list[list[int]],
                    sp: SamplingParams, chat: bool):
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    reqs = fan_out_requests(state, prompts, sp, body.n, rid)
-    group = _submit(state, reqs)
+    kind = "chatcmpl" if chat else "cmpl"
+    label = _request_label(http, body)
+    engine_prefix = f"{kind}-{uuid.uuid4().hex}"  # the engine's ids: the server's own, unique per call
+    rid = f"{kind}-{label}" if label is not None else engine_prefix  # the response's id
+    reqs = fan_out_requests(state, prompts, sp, body.n, engine_prefix, body.cache_salt)
+    group = _submit(state, reqs, body.n)
+    log.info("%s: %d sequence(s) as %s-0..%d", rid, len(reqs), engine_prefix, len(reqs) - 1)
+    headers = {"X-Request-Id": label if label is not None else rid}
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs[:: body.n])
     if body.stream:
-        return StreamingResponse(_stream(state, body, group, rid, prompt_tokens, chat), media_type="text/event-stream")
-    return await _until_done_or_disconnect(state, http, group, _collect(state, body, group, rid, prompt_tokens, chat))
+        return StreamingResponse(_stream(state, body, group, rid, prompt_tokens, chat), media_type="text/event-stream",
+                                 headers=headers)
+    out = await _until_done_or_disconnect(state, http, group, _collect(state, body, group, rid, prompt_tokens, chat))
+    return out if isinstance(out, Response) else JSONResponse(out, headers=headers)
 
 
 async def _until_done_or_disconnect(state: ServerState, http: HTTPRequest, group: RequestGroup, work):
@@ -419,8 +514,14 @@ async def _collect(state: ServerState, body, group: RequestGroup, rid: str, prom
             "usage": _usage(prompt_tokens, sum(len(x) for x in ids))}
 
 
+# characters str.splitlines() breaks lines at that json.dumps(ensure_ascii=False) leaves raw; SSE lines end at
+# CR / LF only, but clients that split with splitlines (httpx's aiter_lines) would cut an event in two
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event: ``data: <json>``, on one line for any line splitter (see ``_LINE_BREAKS``)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def _stream(state: ServerState, body, group: RequestGroup, rid: str, prompt_tokens: int, chat: bool):
@@ -431,6 +532,7 @@ async def _stream(state: ServerState, body, group: RequestGroup, rid: str, promp
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     completion_tokens = 0
 
     def chunk(index: int, text: str, finish: str | None, token_ids: list[int] | None, first: bool = False) -> str:
@@ -444,7 +546,7 @@ async def _stream(state: ServerState, body, group: RequestGroup, rid: str, promp
             c["token_ids"] = token_ids
         out = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [c]}
         if include_usage:
-            out["usage"] = None
+            out["usage"] = _usage(prompt_tokens, completion_tokens) if continuous_usage else None
         return _sse(out)
 
     try:

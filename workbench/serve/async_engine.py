@@ -7,7 +7,13 @@ call per step for all requests). Requests that arrive while others run join the 
 next step. When nothing is queued or running, the thread blocks on an event (no spinning).
 
 Every request ends with exactly one item whose ``finish_reason`` is set: ``stop``, ``length``,
-``abort``, ``rejected`` (with ``error``) or ``error`` (the engine step raised).
+``abort``, ``rejected`` (with ``error``) or ``error`` (the engine raised: a failed step ends every
+request in flight, a failed ``add_request`` ends that request; the loop keeps serving).
+
+The running/waiting gauges are set whenever those numbers change: when requests are submitted, when
+the loop hands them to the scheduler or aborts them, right after the scheduler admits requests (before
+the step's forward pass, which can take long) and after every step. They are read from the queues'
+lengths, so they never go negative.
 """
 
 from __future__ import annotations
@@ -44,6 +50,26 @@ class TokenDelta:
 
 
 @dataclass(eq=False)
+class PromptRequest:
+    """The sequences of one prompt of one API call (its ``n`` choices), counted as one request.
+
+    ``vllm:request_success_total`` counts these: one per prompt when its last choice ends, under
+    :meth:`finish_reason`.
+    """
+
+    num_left: int
+    reasons: list[str]
+
+    def finish_reason(self) -> str | None:
+        """``abort`` if any choice was aborted, else ``error`` if any failed, else ``length`` if any hit
+        max_tokens, else ``stop``; None when the engine rejected it (never admitted, not counted)."""
+        for reason in ("abort", "error", "failed", "rejected", "length"):
+            if reason in self.reasons:
+                return {"failed": "error", "rejected": None}.get(reason, reason)
+        return "stop"
+
+
+@dataclass(eq=False)
 class RequestStream:
     """A submitted request; its ``TokenDelta`` items (``index`` = ``self.index``) go to ``queue``."""
 
@@ -54,6 +80,7 @@ class RequestStream:
     detok: IncrementalDetokenizer | None = None
     num_sent: int = 0
     done: bool = False
+    prompt_request: PromptRequest | None = None
 
     @property
     def request_id(self) -> str:
@@ -94,10 +121,15 @@ class AsyncEngine:
         engine: an ``LLMEngine`` (with a tokenizer: output text is detokenized incrementally here).
         max_waiting: most requests queued but not yet running; ``submit`` raises ``QueueFullError``
             beyond it (None = no limit).
-        metrics: a ``ServerMetrics`` to update after every step (optional).
+        metrics: a ``ServerMetrics`` to keep up to date (optional).
+
+    While the loop runs, ``engine.scheduler.schedule`` is wrapped so the gauges are set right after each
+    admission decision (restored by :meth:`shutdown`).
     """
 
-    MAX_STEP_RECORDS = 100_000
+    # the engine's per-step records (``engine.steps``, ~2 KB each) are kept for inspection only: a server
+    # runs for days, so past this many the oldest half is dropped (match records by ``StepRecord.step``)
+    MAX_STEP_RECORDS = 2048
 
     def __init__(self, engine, max_waiting: int | None = 1024, metrics=None):
         self.engine = engine
@@ -111,11 +143,24 @@ class AsyncEngine:
         self._num_waiting = 0  # the scheduler's waiting queue after the last step
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
+        self._gauge_lock = threading.Lock()  # compute-and-set of the gauges, from either thread
+        self._schedule = None  # the scheduler's own schedule() while it is wrapped
         self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
 
     # -- handler side (event loop thread) --------------------------------------------------------
     def start(self) -> None:
+        sched = self.engine.scheduler
+        if self.metrics is not None and self._schedule is None:
+            self._schedule = sched.schedule
+
+            def schedule_and_publish():
+                out = self._schedule()
+                self._publish_gauges(getattr(out, "kv_stats", None))
+                return out
+
+            sched.schedule = schedule_and_publish
         self._thread.start()
+        self._publish_gauges()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop after its current step (unfinished requests are left as they are)."""
@@ -123,6 +168,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._schedule is not None and not self._thread.is_alive():
+            del self.engine.scheduler.schedule  # the instance attribute: the class's method again
+            self._schedule = None
 
     @property
     def num_waiting(self) -> int:
@@ -130,8 +178,11 @@ class AsyncEngine:
         with self._lock:
             return self._num_waiting + self._pending
 
-    def submit(self, requests: list[Request]) -> RequestGroup:
+    def submit(self, requests: list[Request], choices_per_prompt: int = 1) -> RequestGroup:
         """Queue requests (all or none); call from the event loop that will read the streams.
+
+        ``choices_per_prompt`` (the API's ``n``): consecutive runs of that many requests are one prompt's
+        choices, counted as one request in ``vllm:request_success_total``.
 
         Raises:
             QueueFullError: admitting them would put more than ``max_waiting`` requests in the queue.
@@ -146,8 +197,14 @@ class AsyncEngine:
             self._pending += len(requests)
         queue: asyncio.Queue = asyncio.Queue()
         streams = [RequestStream(r, loop, queue, i) for i, r in enumerate(requests)]
+        k = max(1, choices_per_prompt)
+        for start in range(0, len(streams), k):
+            unit = PromptRequest(len(streams[start:start + k]), [])
+            for s in streams[start:start + k]:
+                s.prompt_request = unit
         for s in streams:
             self._cmds.append(("add", s))
+        self._publish_gauges()
         self._wake.set()
         return RequestGroup(streams, queue)
 
@@ -159,23 +216,25 @@ class AsyncEngine:
     # -- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            self._wake.clear()
-            self._drain()
-            if not self.engine.has_unfinished():
-                self._update_metrics()
-                self._wake.wait()
-                continue
             try:
-                finished = self.engine.step()
+                self._iteration()
             except Exception as e:  # keep serving; every request in flight ends with an error
-                log.exception("engine step failed")
+                log.exception("engine loop failed")
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
-                continue
-            if len(self.engine.steps) > self.MAX_STEP_RECORDS:  # a server runs for days: keep the recent half
-                del self.engine.steps[: self.MAX_STEP_RECORDS // 2]
-            out = self._emit({o.request_id: o for o in finished})
-            self._update_metrics()  # before delivery: a client that saw its last token sees the gauges after it
-            self._deliver(out)
+
+    def _iteration(self) -> None:
+        self._wake.clear()
+        self._drain()
+        if not self.engine.has_unfinished():
+            self._update_metrics()
+            self._wake.wait()
+            return
+        finished = self.engine.step()
+        if len(self.engine.steps) > self.MAX_STEP_RECORDS:  # keep the recent half
+            del self.engine.steps[: self.MAX_STEP_RECORDS // 2]
+        out = self._emit({o.request_id: o for o in finished})
+        self._update_metrics()  # before delivery: a client that saw its last token sees the gauges after it
+        self._deliver(out)
 
     def _drain(self) -> None:
         out: list[tuple[RequestStream, TokenDelta]] = []
@@ -190,16 +249,22 @@ class AsyncEngine:
                     out.append((stream, self._final(stream, "abort")))
         with self._lock:
             self._num_waiting = len(self.engine.scheduler.waiting)
+        self._publish_gauges()
         self._deliver(out)
 
     def _add(self, stream: RequestStream, out: list) -> None:
         req = stream.request
         with self._lock:
             self._pending -= 1
-        rejected = self.engine.add_request(req)
+        try:
+            rejected = self.engine.add_request(req)
+        except Exception as e:  # e.g. a request id already in flight: this request fails, the loop goes on
+            log.exception("engine refused request %s", req.request_id)
+            out.append((stream, self._final(stream, "error", f"the engine refused the request: "
+                                                             f"{type(e).__name__}: {e}")))
+            return
         if rejected is not None:
-            stream.done = True
-            out.append((stream, TokenDelta([], "", "rejected", rejected.error)))
+            out.append((stream, self._final(stream, "rejected", rejected.error)))
             return
         stream.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop)
         self._streams[req.request_id] = stream
@@ -235,18 +300,27 @@ class AsyncEngine:
                     last.finish_reason = o.finish_reason
                 else:
                     out.append((stream, TokenDelta([], tail, o.finish_reason)))
-                stream.done = True
                 if m is not None:
                     end = req.token_times[-1] if req.token_times else req.finished_time
                     m.e2e.observe(end - req.arrival_time)
-                    m.request_finished(o.finish_reason)
+                self._ended(stream, o.finish_reason)
         return out
 
     def _final(self, stream: RequestStream, reason: str, error: str | None = None) -> TokenDelta:
-        stream.done = True
-        if self.metrics is not None and reason == "abort":
-            self.metrics.request_finished("abort")
+        """The last item of a stream that ends without a token (abort, rejection, failure)."""
+        self._ended(stream, reason)
         return TokenDelta([], "", reason, error)
+
+    def _ended(self, stream: RequestStream, reason: str) -> None:
+        """Mark the stream done; count its prompt's request when this was the prompt's last choice."""
+        stream.done = True
+        unit = stream.prompt_request
+        if unit is None:
+            return
+        unit.num_left -= 1
+        unit.reasons.append(reason)
+        if unit.num_left == 0 and self.metrics is not None and unit.finish_reason() is not None:
+            self.metrics.request_finished(unit.finish_reason())
 
     def _fail_all(self, reason: str) -> None:
         out = []
@@ -260,12 +334,30 @@ class AsyncEngine:
         self._deliver(out)
 
     def _update_metrics(self) -> None:
+        """After a step (or when idle): the gauges, and the growth of the engine's counters."""
         sched = self.engine.scheduler
         with self._lock:
             self._num_waiting = len(sched.waiting)
         if self.metrics is not None:
-            self.metrics.update_engine(self.engine, len(sched.running), len(sched.waiting),
-                                       sched.kv_stats().usage_frac)
+            self._publish_gauges(sched.kv_stats())
+            self.metrics.update_counters(self.engine)
+
+    def _publish_gauges(self, kv_stats=None) -> None:
+        """Set the running/waiting gauges (and KV usage, given the scheduler's ``KVStats``) from the queues.
+
+        Waiting counts requests submitted but not yet handed to the scheduler, the scheduler's waiting
+        queue (preempted requests included, as vLLM) and swapped-out requests. Either thread may call
+        this; the lock makes compute-and-set atomic, so the last call's figures are the ones shown.
+        """
+        if self.metrics is None:
+            return
+        sched = self.engine.scheduler
+        with self._gauge_lock:
+            with self._lock:
+                pending = self._pending
+            waiting = pending + len(sched.waiting) + len(getattr(sched, "swapped", ()))
+            self.metrics.set_gauges(len(sched.running), waiting,
+                                    None if kv_stats is None else kv_stats.usage_frac)
 
     @staticmethod
     def _deliver(items: list[tuple[RequestStream, TokenDelta]]) -> None:

@@ -18,41 +18,37 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 def engine_counters(engine) -> dict[str, int]:
-    """Cumulative engine counters, read defensively (0 where the engine has no such counter).
+    """Cumulative engine counters: ``num_preemptions`` (the scheduler's) and the prefix cache's queries
+    and hits in tokens (the paged KV manager's ``prefix_queries`` / ``prefix_hits``).
 
-    ``num_preemptions`` is ``scheduler.num_preemptions``. Prefix-cache queries/hits (in tokens, as vLLM
-    counts them) are looked up on the KV manager or the scheduler, either as a ``prefix_cache_stats``
-    object with ``queries``/``hits`` or as ``prefix_cache_queries``/``prefix_cache_hits`` attributes;
-    an engine without prefix caching reports 0. This is the one place to adapt when the engine's names
-    change.
+    As vLLM's ``vllm:prefix_cache_*`` counters these cover first admissions only: re-admissions after a
+    recompute preemption (the KV manager's ``preempted_queries`` / ``preempted_hits``) are kept apart so
+    the hit rate describes the workload, and are not exported. An engine without a paged KV manager
+    (the static baseline) reports 0.
     """
     sched = engine.scheduler
-    holders = [h for h in (getattr(sched, "kv", None), sched) if h is not None]
-
-    def read(name: str) -> int:
-        for h in holders:
-            stats = getattr(h, "prefix_cache_stats", None)
-            if stats is not None and getattr(stats, name, None) is not None:
-                return int(getattr(stats, name))
-            value = getattr(h, f"prefix_cache_{name}", None)
-            if isinstance(value, (int, float)):
-                return int(value)
-        return 0
-
+    kv = getattr(sched, "kv", None)
     return {"num_preemptions": int(getattr(sched, "num_preemptions", 0) or 0),
-            "prefix_cache_queries": read("queries"), "prefix_cache_hits": read("hits")}
+            "prefix_cache_queries": int(getattr(kv, "prefix_queries", 0) or 0),
+            "prefix_cache_hits": int(getattr(kv, "prefix_hits", 0) or 0)}
 
 
 class ServerMetrics:
     """The server's metrics in a private registry; ``render()`` gives the Prometheus text format.
 
-    Gauges (set by the engine loop after every step): ``vllm:num_requests_running``,
-    ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM).
-    Counters: ``vllm:num_preemptions_total``, ``vllm:prompt_tokens_total``,
-    ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``,
-    ``vllm:request_success_total{finished_reason=stop|length|abort}``. Histograms (seconds):
+    Gauges (set by the engine loop whenever requests are queued, admitted, aborted or finished; see
+    ``AsyncEngine``): ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM). Counters: ``vllm:num_preemptions_total``,
+    ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total``,
+    ``vllm:prefix_cache_hits_total`` (tokens, first admissions: see :func:`engine_counters`),
+    ``vllm:request_success_total{finished_reason=stop|length|abort|error}``. Histograms (seconds):
     ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
     ``vllm:e2e_request_latency_seconds``.
+
+    Units: ``request_success`` counts requests, one per prompt of an API call whatever its ``n`` (an
+    aborted ``n: 2`` request adds 1 under ``abort``); the token counters and the latency histograms
+    count each choice's sequence (an ``n: 2`` request adds its prompt tokens twice, as vLLM's engine
+    requests of a parallel-sampling call do).
     """
 
     def __init__(self, model_name: str):
@@ -79,6 +75,7 @@ class ServerMetrics:
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
+        # one per prompt of an API call, whatever its n (see the class docstring)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 lab + ["finished_reason"], registry=r)
         self._model_name = model_name
@@ -93,11 +90,15 @@ class ServerMetrics:
     def request_finished(self, finished_reason: str) -> None:
         self._success.labels(self._model_name, finished_reason).inc()
 
-    def update_engine(self, engine, num_running: int, num_waiting: int, kv_usage: float) -> None:
-        """Set the gauges and add the growth of the engine's cumulative counters since the last call."""
-        self.num_requests_running.set(num_running)
-        self.num_requests_waiting.set(num_waiting)
-        self.kv_cache_usage_perc.set(kv_usage)
+    def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float | None = None) -> None:
+        """Set the running/waiting gauges (clamped at 0) and, when given, the KV usage fraction."""
+        self.num_requests_running.set(max(0, num_running))
+        self.num_requests_waiting.set(max(0, num_waiting))
+        if kv_usage is not None:
+            self.kv_cache_usage_perc.set(min(1.0, max(0.0, kv_usage)))
+
+    def update_counters(self, engine) -> None:
+        """Add the growth of the engine's cumulative counters since the last call."""
         now = engine_counters(engine)
         for name, value in now.items():
             delta = value - self._last_counters.get(name, 0)
