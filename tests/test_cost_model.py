@@ -145,3 +145,28 @@ def test_real_spread_says_whether_the_sim_is_within_the_real_repeats():
            "dist": {"output_throughput": 0.15, **{m: {"p50": 0.0, "p99": 0.0} for m in
                                                   ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
     assert "1 of 2 figures within the real repeats' range" in summary_line(err)
+
+
+def test_cheap_grid_steps_get_more_runs():
+    """Steps under ``cheap_s`` are timed ``cheap_repeats`` times in all (one warm-up run besides)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from engines.sim.profiler import profile_rows
+
+    class CountingExecutor:
+        kv = SimpleNamespace(block_size=16, num_blocks=256)
+
+        def __init__(self):
+            self.calls = Counter()
+
+        def execute(self, out):
+            self.calls[tuple(s.request_id for s in out.seqs), out.seqs[0].context_len] += 1
+
+    grid = [GridStep(1, 64), GridStep(4, 128)]
+    ex = CountingExecutor()
+    rows = profile_rows(ex, grid, repeats=3, cheap_repeats=9, cheap_s=10.0)  # every step is cheap
+    assert sorted(ex.calls.values()) == [10, 10] and len(rows) == 2
+    ex = CountingExecutor()
+    profile_rows(ex, grid, repeats=3, cheap_repeats=9, cheap_s=0.0)  # none is
+    assert sorted(ex.calls.values()) == [4, 4]

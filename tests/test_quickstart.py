@@ -48,4 +48,4 @@ def test_quickstart_simulator_is_measured_against_its_real_twin(quickstart):
         print(sim, err["dist"]["output_throughput"], err["request"], {k: err["step"][k] for k in ("mape", "noise_floor")})
         assert err["real_engine"] == real and err["request"]["n_matched"] == quickstart["num_requests"]
         assert e["profile"]["fingerprint"]["model"] == "smollm2-135m"
-        assert e["drift"]["n_probe_runs"] == 2  # the probes of both real engines (one run each)
+        assert e["drift"]["n_probe_runs"] == 1 and e["drift"]["probes_of"] == real  # the twin's one run

@@ -68,7 +68,8 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
         # the profile used (a hand-written file: no fingerprint) and the drift probes of the real runs
         e = res["engines"][sim]
         assert e["profile"]["path"].endswith("cm.json") and e["profile"]["fingerprint"] == {}
-        assert e["drift"]["n_probe_runs"] == 2 and e["drift"]["speed_ratio"] > 0
+        # the twin's own run (one of the two real runs) gives the probes
+        assert e["drift"]["n_probe_runs"] == 1 and e["drift"]["probes_of"] == real and e["drift"]["speed_ratio"] > 0
     assert res["profile"]["path"].endswith("cm.json")
     assert "sim_error.step" in res["formulas"] and "drift" in res["formulas"]
     # where each real engine ran and on which attention kernels (the simulator has no runtime)

@@ -194,7 +194,8 @@ def add_openai_server_metrics(summary: dict, outs) -> None:
         summary["num_preemptions"] = int(sm["delta"]["vllm:num_preemptions_total"])
 
 
-DRIFT_MARGIN = 0.03  # rescale a sim engine's profile when the machine probes differ from it by more
+DRIFT_MARGIN = 0.01  # rescale a sim engine's profile when the machine probes differ from it by more
+# (about the precision of the probes' geometric mean: 7 steps before and after each run, 3 runs timed each)
 DRIFT_MAX = 1.5  # ... but not past this factor either way: that is a profile of another machine, not drift
 
 
@@ -208,9 +209,10 @@ def twin_of(name: str, policy: str, engines: dict) -> str | None:
     return next((n for n, r in engines.items() if r["kind"] == policy), None)
 
 
-def drift(cm: CostModel, probes: list[dict]) -> dict:
-    """``drift`` of a sim engine's profile against the machine probes of this run's real engines:
-    ``speed_ratio`` = geometric mean of measured / predicted over every probe step of every real run, and the
+def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
+    """``drift`` of a sim engine's profile against machine probes (``source``: the real engine whose runs
+    they came before and after, the sim engine's twin when it has one): ``speed_ratio`` = geometric mean of
+    measured / predicted over every probe step of those runs, and the
     same over the small (decode) and the large (prefill) probe steps apart (``speed_ratio_small``,
     ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``). When either is off by more than
     :data:`DRIFT_MARGIN` the profile's predictions are rescaled by them (``rescaled``; ``CostModel.scale``),
@@ -223,7 +225,7 @@ def drift(cm: CostModel, probes: list[dict]) -> dict:
     beyond = any(not 1 / DRIFT_MAX <= x <= DRIFT_MAX for x in parts)
     rescaled = bool(parts) and any(abs(x - 1.0) > DRIFT_MARGIN for x in parts) and not beyond
     return {"speed_ratio": ratio, "speed_ratio_small": r["small"], "speed_ratio_large": r["large"],
-            "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled,
+            "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled, "probes_of": source,
             "beyond_max": beyond, "n_probe_runs": len(probes),
             "probes": [{"gemm_gflops": run["gemm_gflops"],
                         "steps": [{"features": {k: v for k, v in p["features"].items() if v and k != "const"},
@@ -335,13 +337,21 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     for rep in range(repeat):  # real engines first, interleaved, then the simulator against their probes
         for spec in reals:
             run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 else ""))
-    probes = [r[3]["probe"] for spec in reals for r in per_engine[spec.name] if "probe" in r[3]]
+    def probes_of(names):
+        return [r[3]["probe"] for n in names for r in per_engine[n] if "probe" in r[3]]
+
+    all_probes, kinds = probes_of([s.name for s in reals]), {s.name: {"kind": s.kind} for s in reals}
     drifts = {}
     for spec in sims:
         cm = None
         if spec.name in measured:
             cm = measured[spec.name][0]
-            drifts[spec.name] = drift(cm, probes) if probes else None
+            # the machine's speed while the sim engine's real twin ran (its own runs' probes), else all runs'
+            twin = twin_of(spec.name, getattr(spec, "policy", None) or "paged", kinds)
+            probes, source = (probes_of([twin]), twin) if twin else ([], None)
+            if not probes:
+                probes, source = all_probes, "all real engines"
+            drifts[spec.name] = drift(cm, probes, source) if probes else None
             d = drifts[spec.name]
             if d and d["rescaled"]:
                 cm.speed_scale = d["speed_ratio_small"] or d["speed_ratio"]

@@ -128,14 +128,22 @@ def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOut
     return SchedulerOutput(seqs)
 
 
+CHEAP_STEP_S = 0.15  # grid steps faster than this get CHEAP_REPEATS runs in all (see profile_rows)
+CHEAP_REPEATS = 9
+
+
 def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
-                 progress: Callable[[], None] | None = None) -> list[tuple[dict, float, float]]:
+                 progress: Callable[[], None] | None = None, cheap_repeats: int | None = None,
+                 cheap_s: float = CHEAP_STEP_S) -> list[tuple[dict, float, float]]:
     """Time ``executor`` on every grid step; returns ``(features, median seconds, relative spread)`` rows.
 
     The grid is timed in ``repeats`` passes, each over every step in its own shuffled order (seeded), one timed
     run per step and pass (the first pass runs each step once untimed before): a slow phase of the machine
     (its speed drifts 20-30% within minutes here) then lands on a few steps' single runs instead of on all the
-    runs of a few steps, and the median across passes discards it.
+    runs of a few steps, and the median across passes discards it. With ``cheap_repeats``, steps whose median
+    is under ``cheap_s`` seconds (decode batches, small mixed steps: each pins one knot of the body table,
+    and a median of 3 runs of a 2-core machine was off by up to 15% from one profile to the next) get
+    further shuffled passes up to that many runs, for little time.
 
     Raises:
         ValueError: the KV pool is too small for the largest grid step.
@@ -159,6 +167,13 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
             times[i].append(time.perf_counter() - t0)
             if progress and rep == repeats - 1:
                 progress()
+    cheap = [i for i, ts in enumerate(times) if statistics.median(ts) < cheap_s]
+    for rep in range(repeats, cheap_repeats or 0):
+        random.Random(rep).shuffle(cheap)
+        for i in cheap:
+            t0 = time.perf_counter()
+            executor.execute(batches[i])
+            times[i].append(time.perf_counter() - t0)
     rows = []
     for b, ts in zip(batches, times):
         cv = statistics.stdev(ts) / statistics.fmean(ts) if len(ts) > 1 else 0.0
@@ -276,7 +291,7 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
             progress(done, total)
 
     lm_table = lm_head_table(executor.model, repeats, progress=tick)
-    rows = profile_rows(executor, grid, repeats, progress=tick)
+    rows = profile_rows(executor, grid, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS)
     overhead = engine_overhead()
     tick()
     held = [r for i, r in enumerate(rows) if i % holdout_every == holdout_every - 1]
@@ -288,14 +303,16 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     cm.noise_cv = statistics.median(r[2] for r in rows)
     cm.fit_error = {"fit_mean_abs_rel": statistics.fmean(fit_errs), "fit_max_abs_rel": max(fit_errs),
                     "holdout_mean_abs_rel": statistics.fmean(held_errs), "holdout_max_abs_rel": max(held_errs),
-                    "n_holdout": len(held), "n_points": len(rows), "repeats": repeats}
+                    "n_holdout": len(held), "n_points": len(rows), "repeats": repeats,
+                    "cheap_repeats": CHEAP_REPEATS, "cheap_step_s": CHEAP_STEP_S}
     cm.fit_error["points"] = [{"features": {k: v for k, v in f.items() if v and k != "const"}, "seconds": t,
                                "spread": cv, "predicted": cm.predict_exec(f)} for f, t, cv in rows]
     return cm
 
 
 # fixed probe steps timed before and after each real engine run (machine drift against the profile): decode
-# batches from 1 to 48 rows, a prefill and a mixed step; about 3 s on a 2-core CPU
+# batches from 1 to 48 rows, two prefills (128 and 384 tokens: the compute-bound regime, whose drift can differ
+# from the decodes') and a mixed step; about 5 s on a 2-core CPU
 PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48, 128), GridStep(prefills=((128, 0),)),
               GridStep(8, 256, ((64, 0),)), GridStep(prefills=((384, 0),)))
 LARGE_PROBE_TOKENS = 128  # probe steps of at least this many tokens time the compute-bound regime
