@@ -44,6 +44,17 @@ def test_tiny_top_p_is_argmax():
         assert s.sample(x, [f"r{i}" for i in range(8)], [p] * 8) == x.argmax(-1).tolist()
 
 
+def test_extreme_top_p_and_temperature_give_the_top_token_not_an_error():
+    """top_p = the smallest float and a temperature whose logits / T overflow to inf: the limit of each
+    (the most likely token), not a NaN that fails the whole step."""
+    x = logits_of(8, seed=3)
+    s = Sampler(seed=0)
+    ids = [f"r{i}" for i in range(8)]
+    for p in (SamplingParams(temperature=1.0, top_p=5e-324), SamplingParams(temperature=1e-310),
+              SamplingParams(temperature=1e-310, top_p=5e-324)):
+        assert s.sample(x, ids, [p] * 8) == x.argmax(-1).tolist(), p
+
+
 def test_top_k_never_samples_outside_top_k():
     row = logits_of(1, vocab=100, seed=3, scale=1.0)[0]
     allowed = set(torch.topk(row, 5).indices.tolist())

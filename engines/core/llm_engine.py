@@ -128,11 +128,17 @@ class LLMEngine:
         executor: has ``execute(SchedulerOutput) -> StepResult`` and ``release(request_id)``.
         tokenizer: for stop strings and output text (None: no text).
         clock: seconds; wall clock by default.
+
+    Attributes:
+        on_schedule: called with each step's ``SchedulerOutput`` right after scheduling, before the
+            forward pass (a server publishes its running/waiting gauges there); None: nothing.
     """
 
     def __init__(self, scheduler: Scheduler, executor, tokenizer=None, clock: Callable[[], float] = time.perf_counter):
         self.scheduler, self.executor, self.tokenizer, self.clock = scheduler, executor, tokenizer, clock
-        self.steps: list[StepRecord] = []
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
+        self.steps: list[StepRecord] = []  # a long-running caller may drop old records
+        self.num_steps = 0  # steps recorded since the start (StepRecord.step numbers them)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._texts: dict[str, str] = {}
         self._last_swap_time = 0.0
@@ -159,6 +165,8 @@ class LLMEngine:
         """One iteration; returns the requests that finished in it."""
         t_schedule = self.clock()
         out = self.scheduler.schedule()
+        if self.on_schedule is not None:
+            self.on_schedule(out)
         start = self.clock()
         result = self.executor.execute(out)
         now = self.clock()
@@ -270,7 +278,7 @@ class LLMEngine:
         shape = out.shape
         self.steps.append(
             StepRecord(
-                step=len(self.steps),
+                step=self.num_steps,
                 start=start,
                 duration=duration,
                 num_seqs=len(seqs),
@@ -297,6 +305,7 @@ class LLMEngine:
                 **self._memory_fields(out),
             )
         )
+        self.num_steps += 1
 
     def _memory_fields(self, out: SchedulerOutput) -> dict:
         """Memory-management step fields: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing."""

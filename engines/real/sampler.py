@@ -58,7 +58,10 @@ class Sampler:
             probs = torch.softmax(sorted_x, dim=-1)
             # drop tokens once the mass before them already reaches top_p (keep at least one)
             drop = (probs.cumsum(-1) - probs) >= p.top_p
+            drop[0] = False
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
         probs = torch.softmax(x, dim=-1)
+        if not bool(torch.isfinite(probs).all()):  # a temperature so small that logits / T overflowed: the limit
+            return int(logits.argmax())
         return int(torch.multinomial(probs, 1, generator=gen).item())

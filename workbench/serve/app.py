@@ -401,7 +401,7 @@ def fan_out_requests(state: ServerState, prompts: list[list[int]], sp: SamplingP
 
     now = time.perf_counter()
     reqs = []
-    eos = state.llm.eos_token_id
+    eos = state.llm.eos_token_ids  # every stop id of the model
     for p, ids in enumerate(prompts):
         for i in range(n):
             params = sp if n == 1 or sp.seed is None else dataclasses.replace(sp, seed=sp.seed + i, stop=list(sp.stop))

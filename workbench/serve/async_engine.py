@@ -123,8 +123,8 @@ class AsyncEngine:
             beyond it (None = no limit).
         metrics: a ``ServerMetrics`` to keep up to date (optional).
 
-    While the loop runs, ``engine.scheduler.schedule`` is wrapped so the gauges are set right after each
-    admission decision (restored by :meth:`shutdown`).
+    While the loop runs, ``engine.on_schedule`` sets the gauges right after each admission decision
+    (cleared by :meth:`shutdown`).
     """
 
     # the engine's per-step records (``engine.steps``, ~2 KB each) are kept for inspection only: a server
@@ -144,21 +144,12 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._stop = False
         self._gauge_lock = threading.Lock()  # compute-and-set of the gauges, from either thread
-        self._schedule = None  # the scheduler's own schedule() while it is wrapped
         self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
 
     # -- handler side (event loop thread) --------------------------------------------------------
     def start(self) -> None:
-        sched = self.engine.scheduler
-        if self.metrics is not None and self._schedule is None:
-            self._schedule = sched.schedule
-
-            def schedule_and_publish():
-                out = self._schedule()
-                self._publish_gauges(getattr(out, "kv_stats", None))
-                return out
-
-            sched.schedule = schedule_and_publish
+        if self.metrics is not None:
+            self.engine.on_schedule = lambda out: self._publish_gauges(out.kv_stats)
         self._thread.start()
         self._publish_gauges()
 
@@ -168,9 +159,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self._schedule is not None and not self._thread.is_alive():
-            del self.engine.scheduler.schedule  # the instance attribute: the class's method again
-            self._schedule = None
+        if not self._thread.is_alive():
+            self.engine.on_schedule = None
 
     @property
     def num_waiting(self) -> int:
