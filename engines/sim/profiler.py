@@ -69,13 +69,13 @@ FULL_GRID = _grid(
 )
 QUICK_GRID = _grid(
     prefill_sizes=(8, 32, 128, 512, 1024),
-    multi=((4, 32), (4, 128)),
+    multi=((4, 32), (4, 128), (4, 512)),  # up to 2048 tokens: a static batch's prefill of several long prompts
     cached=((64, 512), (256, 256)),
     body_rows=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64),
     ctx_rows=(4, 32),
     decode_ctx=(512,),
     mixed=((8, 256, [(128, 0)]), (32, 256, [(256, 0)]), (2, 300, [(23, 0)])),
-    padded=((8, 24, 256),),
+    padded=((8, 24, 256), (1, 31, 128), (16, 16, 160)),  # padding ctx apart from live ctx: 3 mixes of the two
 )
 KNOTS = tuple(range(1, 21)) + (24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 # the LM head's GEMM ([rows, hidden] x [hidden, vocab]) is jagged by row count: on a 2-core AVX-512 CPU 3 or 7
