@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--profile", default=str(ROOT / "workbench" / "data" / "profiles" / "cpu.json"))
+    ap.add_argument("--profile", default=str(ROOT / "workbench" / "data" / "profiles" / "ci-reference.json"))
     ap.add_argument("--kv-cache-tokens", type=int, default=1_000_000)
     a = ap.parse_args()
     from engines.real.model_store import resolve_model
