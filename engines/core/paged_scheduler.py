@@ -109,7 +109,8 @@ class PagedScheduler(Scheduler):
         # Swap in, then admit waiting requests, only when nothing was preempted in this step (as vLLM does).
         # A request is let in only when all the sequences it will fork into fit under max_num_seqs.
         max_seqs = self.config.max_num_seqs
-        num_seqs = sum(map(self.num_seqs, self.running))
+        # (summed only when something could be admitted: it walks every running request)
+        num_seqs = sum(map(self.num_seqs, self.running)) if not preempted and (self.swapped or self.waiting) else 0
         while not preempted and self.swapped and budget > 0 and num_seqs + self.num_seqs(self.swapped[0]) <= max_seqs:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
