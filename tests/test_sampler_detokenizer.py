@@ -261,3 +261,33 @@ def test_deltas_concatenate_to_text_when_stop_spans_tokens(tok):
     deltas, stop = feed(det, ids)
     assert stop == "STOP"
     assert "".join(deltas) == det.text == "stop here "
+
+
+def test_include_stop_str_keeps_the_stop_string(tok):
+    ids = tok.encode("stop here STOP now")
+    det = IncrementalDetokenizer(tok, [], stop=["STOP"], include_stop_str=True)
+    deltas, stop = feed(det, ids)
+    assert stop == "STOP" and det.text == "stop here STOP" == "".join(deltas)
+
+
+def test_min_tokens_defers_the_stop_string_check(tok):
+    """A stop string completed before ``min_tokens`` tokens never matches later (vLLM's stop checker looks
+    only at text added once the minimum is reached)."""
+    text = "ab STOP cd STOP ef"
+    ids = tok.encode(text)
+    first_stop_end = next(i for i in range(1, len(ids) + 1) if "STOP" in tok.decode(ids[:i]))
+    det = IncrementalDetokenizer(tok, [], stop=["STOP"], min_tokens=first_stop_end + 1)
+    deltas, stop = feed(det, ids)
+    assert stop == "STOP" and det.text == "ab STOP cd "
+
+
+def test_special_tokens_are_kept_when_asked():
+    from tiny_model import make_tokenizer
+
+    tok = make_tokenizer()
+    ids = tok.encode("hi") + [tok.convert_tokens_to_ids("<|im_end|>")] + tok.encode("yo")
+    kept = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    skipped = IncrementalDetokenizer(tok, [])
+    feed(kept, ids)
+    feed(skipped, ids)
+    assert kept.text == "hi<|im_end|>yo" and skipped.text == "hiyo"

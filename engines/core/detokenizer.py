@@ -22,11 +22,20 @@ class IncrementalDetokenizer:
         tokenizer: a transformers tokenizer (``decode``).
         prompt_ids: the prompt's last few ids give the first output tokens their left context.
         stop: stop strings; ``step`` reports the earliest one that appears in the text.
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str: keep a matched stop string at the end of the text.
+        min_tokens: stop strings are looked for only once this many tokens have been added (text added
+            before then never matches later, as in vLLM's stop checker).
     """
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | None = None):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | None = None,
+                 skip_special_tokens: bool = True, include_stop_str: bool = False, min_tokens: int = 0):
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.tok = tokenizer
         self.ids = list(prompt_ids[-self.CONTEXT :])
         self.prefix_offset = 0
@@ -42,8 +51,10 @@ class IncrementalDetokenizer:
         When a stop string appears, ``text`` is cut just before it.
         """
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        self.num_tokens += 1
+        skip = self.skip_special_tokens
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return "", None
         delta = full[len(prefix) :]
@@ -51,12 +62,22 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += delta
         # a match can only newly end inside the delta; the earliest match in the text wins
+        if self.num_tokens < self.min_tokens:
+            return self._emit(len(self.text) - self._holdback), None
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if hits:
             at, s = min(hits)
-            self.text = self.text[:at]
+            self.text = self.text[: at + len(s) if self.include_stop_str else at]
             return self.flush(), s
         return self._emit(len(self.text) - self._holdback), None
+
+    @classmethod
+    def for_request(cls, tokenizer, request) -> "IncrementalDetokenizer":
+        """The detokenizer of an ``engines.core.request.Request``, with its sampling parameters' stop strings,
+        ``skip_special_tokens``, ``include_stop_str_in_output`` and ``min_tokens``."""
+        sp = request.sampling_params
+        return cls(tokenizer, request.prompt_token_ids, sp.stop, skip_special_tokens=sp.skip_special_tokens,
+                   include_stop_str=sp.include_stop_str_in_output, min_tokens=sp.min_tokens)
 
     def flush(self) -> str:
         """Text not yet returned (the held-back tail), once generation has ended."""

@@ -112,9 +112,10 @@ class PagedKVCacheManager:
         """The longest cached prefix of the request's full blocks: ``(block ids, tokens)``.
 
         At most ``num_tokens_total - 1`` tokens are returned so the last token is always computed (its
-        logits are sampled). Nothing is taken yet: pass the blocks to :meth:`allocate_slots`.
+        logits are sampled). Nothing is taken yet: pass the blocks to :meth:`allocate_slots`. A request
+        that asks for prompt log-probabilities gets no hit: every prompt position's logits are computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         bs = self.block_size
         hashes = self.block_hashes(request)

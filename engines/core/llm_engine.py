@@ -56,6 +56,10 @@ class RequestOutput:
     # static batch member's batch end under completion batch_end (then equal to finished_time); None: the
     # answer came with its last token
     completion_time: float | None = None
+    # SamplingParams.logprobs: one engines.core.logprobs.TokenLogprob per output token (None when not asked);
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None (None when not asked)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 _FINISH_REASON = {
@@ -149,9 +153,7 @@ class LLMEngine:
             request.finished_time = self.clock()
             return self._output(request)
         if self.tokenizer is not None and request.sampling_params.stop:
-            self._detok[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, request.sampling_params.stop
-            )
+            self._detok[request.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, request)
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -189,8 +191,7 @@ class LLMEngine:
                 req.first_token_time = now
             det = self._detok.get(rid)
             if det is None and req.parent_id is not None and req.sampling_params.stop and self.tokenizer is not None:
-                det = self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                                req.sampling_params.stop)  # a forked child
+                det = self._detok[rid] = IncrementalDetokenizer.for_request(self.tokenizer, req)  # a forked child
             if det is None or req.status == RequestStatus.FINISHED_STOPPED:
                 continue
             _, stop = det.step(req.output_token_ids[-1])
@@ -232,7 +233,7 @@ class LLMEngine:
         if det is not None and req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, str):
             text = det.text
         elif self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(output_text_ids(req), skip_special_tokens=req.sampling_params.skip_special_tokens)
         else:
             text = ""
         out = RequestOutput(
@@ -252,6 +253,9 @@ class LLMEngine:
             parent_id=req.parent_id,
             seq_index=req.seq_index,
             cumulative_logprob=req.cumulative_logprob,
+            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+            prompt_logprobs=(list(req.prompt_logprobs or [None] * req.num_prompt_tokens)
+                             if req.sampling_params.prompt_logprobs is not None else None),
         )
         if req.beam_hypotheses:
             self._beam_outputs(req, out)
@@ -330,6 +334,15 @@ class LLMEngine:
         while self.has_unfinished():
             done.extend(self.step())
         return done
+
+
+def output_text_ids(req: Request) -> list[int]:
+    """The output tokens that make the text: all but a last token that stopped the request (EOS or one of
+    ``stop_token_ids``), which is in ``token_ids`` but not in the text (as vLLM)."""
+    ids = req.output_token_ids
+    if req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int) and ids:
+        return ids[:-1]
+    return ids
 
 
 def kv_shared_saved(kv: PagedKVCacheManager, requests) -> int:

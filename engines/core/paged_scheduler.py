@@ -199,6 +199,7 @@ class PagedScheduler(Scheduler):
             block_table=self.kv.block_table(req.request_id),
             sample=start + n == req.num_tokens_total,
             sampling_params=req.sampling_params,
+            request=req,
         )
         if seq.sample and not req.output_token_ids and req.fork_ids:
             seq.fork_ids = req.fork_ids
@@ -230,6 +231,9 @@ class PagedScheduler(Scheduler):
                 tok = result.sampled[cid]
                 child.append_output(tok)
                 child.cumulative_logprob += result.logprobs.get(cid, 0.0)
+                if cid in result.token_logprobs:
+                    child.output_logprobs.append(result.token_logprobs[cid])
+                child.prompt_logprobs = parent.prompt_logprobs
                 children.append(child)
         for seq in output.seqs:
             req = self.requests.get(seq.request_id)

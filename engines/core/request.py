@@ -73,6 +73,10 @@ class Request:
     # beam search: a beam-search request's finished hypotheses (engines.core.beam_search.Hypothesis),
     # best first, set when its search ends; its beams are internal sequences naming it parent_id
     beam_hypotheses: list = field(default_factory=list)
+    # log-probabilities (SamplingParams.logprobs / prompt_logprobs): one TokenLogprob per output token, and
+    # one per prompt position (None for position 0, which nothing predicts); filled by the scheduler's update
+    output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     @property
     def fork_ids(self) -> list[str]:

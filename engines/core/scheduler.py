@@ -21,6 +21,7 @@ from functools import cached_property
 
 from engines.core.config import SchedulerConfig
 from engines.core.kv_cache_manager import KVStats
+from engines.core.logprobs import TokenLogprob
 from engines.core.request import Request, RequestStatus
 from engines.core.sampling_params import SamplingParams
 from engines.core.step_shape import StepShape
@@ -52,6 +53,9 @@ class ScheduledSeq:
     # parallel sampling: child sequences to sample from this row's logits too (and their params)
     fork_ids: list[str] = field(default_factory=list)
     fork_params: list[SamplingParams] = field(default_factory=list)
+    # the request itself (None for synthetic rows, e.g. the profiler's): logits processors read its tokens
+    # so far (penalties, min_tokens) and prompt log-probabilities its prompt
+    request: Request | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -109,10 +113,25 @@ class StepResult:
     sampled: dict[str, int]
     duration: float
     swap_time: float = 0.0  # seconds of the step spent copying swapped blocks (included in duration)
-    logprobs: dict[str, float] = field(default_factory=dict)  # log p of sampled tokens (best_of)
+    logprobs: dict[str, float] = field(default_factory=dict)  # log p of sampled tokens (best_of, logprobs)
+    # SamplingParams.logprobs: the sampled token's TokenLogprob per request (and per forked child)
+    token_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per request, {prompt position: TokenLogprob} computed in this step
+    prompt_logprobs: dict[str, dict[int, TokenLogprob]] = field(default_factory=dict)
     # beam search: for a beam-search row, its 2 x beam_width most likely next tokens as
     # [(token id, log p)], most likely first, instead of an entry in ``sampled``
     beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+def record_prompt_logprobs(req: Request, computed: dict[int, TokenLogprob] | None) -> None:
+    """Store a step's prompt log-probabilities on ``req`` by position (a chunk recomputed after a preemption
+    overwrites the same positions with the same values); position 0 stays None."""
+    if not computed:
+        return
+    if req.prompt_logprobs is None:
+        req.prompt_logprobs = [None] * req.num_prompt_tokens
+    for pos, lp in computed.items():
+        req.prompt_logprobs[pos] = lp
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -185,17 +204,23 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             req.num_computed_tokens += seq.num_tokens
+            record_prompt_logprobs(req, result.prompt_logprobs.get(seq.request_id))
             if not seq.sample or seq.request_id in result.beam_candidates:  # beams: see BeamSearch.update
                 continue
             tok = result.sampled[seq.request_id]
             req.append_output(tok)
+            lp = result.token_logprobs.get(seq.request_id)
+            if lp is not None:
+                req.output_logprobs.append(lp)
             self._finish_if_done(req, tok, finished)
         return finished
 
     def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> None:
         """Finish ``req`` (appending it to ``finished``) if its new token ``tok`` is EOS (unless
-        ``ignore_eos``) or it has reached ``max_tokens``."""
-        if not req.sampling_params.ignore_eos and tok in req.eos_token_ids:
+        ``ignore_eos``) or one of ``stop_token_ids``, or it has reached ``max_tokens``. Before
+        ``min_tokens`` outputs neither can be sampled (the sampler masks them)."""
+        sp = req.sampling_params
+        if (not sp.ignore_eos and tok in req.eos_token_ids) or tok in sp.stop_token_ids:
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
             finished.append(req)
         elif req.num_output_tokens >= req.sampling_params.max_tokens:

@@ -100,6 +100,7 @@ class StaticScheduler(Scheduler):
             block_table=self.kv.block_table(req.request_id),
             sample=True,
             sampling_params=req.sampling_params,
+            request=req,
         )
 
     def _release(self, request: Request) -> None:

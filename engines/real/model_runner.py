@@ -18,7 +18,7 @@ from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
 from engines.real.kv_cache import KVCache, SwapSpace
 from engines.real.model import AttentionMetadata, LlamaModel
-from engines.real.sampler import Sampler
+from engines.real.sampler import Sampler, process_logits, token_logprobs
 
 
 class ModelExecutor:
@@ -56,21 +56,23 @@ class ModelExecutor:
         if out.is_empty:
             return StepResult({}, time.perf_counter() - t0, swap_time)
         seqs = sorted(out.seqs, key=lambda s: not s.is_decode)  # decode rows first
-        input_ids, positions, meta, last_idx = self._prepare(seqs)
+        input_ids, positions, meta, last_idx, first_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
-        sampled, logprobs, beam_cands = {}, {}, {}
+        sampled, logprobs, beam_cands, tok_lps = {}, {}, {}, {}
         if sample_seqs:
             # a row that forks parallel-sampling children is sampled once per child too (same logits)
-            rows, ids, params = [], [], []
+            rows, ids, params, reqs = [], [], [], []
             for s in sample_seqs:
                 rows.append(last_idx[s.request_id])
                 ids.append(s.request_id)
                 params.append(s.sampling_params)
+                reqs.append(s.request)
                 for cid, cp in zip(s.fork_ids, s.fork_params):
                     rows.append(last_idx[s.request_id])
                     ids.append(cid)
                     params.append(cp)
+                    reqs.append(s.request)  # a child's history at its first token is the parent's prompt
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             beam = [i for i, p in enumerate(params) if p.use_beam_search]  # beam rows give candidates
             if beam:
@@ -78,17 +80,48 @@ class ModelExecutor:
                 beam_cands = {ids[i]: c for i, c in zip(beam, beam_candidates(logits[beam], width))}
                 keep = [i for i in range(len(ids)) if not params[i].use_beam_search]
                 logits, ids, params = logits[keep], [ids[i] for i in keep], [params[i] for i in keep]
-            toks = self.sampler.sample(logits, ids, params) if ids else []
+                reqs = [reqs[i] for i in keep]
+            toks = self.sampler.sample(process_logits(logits, params, reqs), ids, params) if ids else []
             sampled = dict(zip(ids, toks))
-            if any(s.sampling_params.best_of and s.sampling_params.best_of > s.sampling_params.n for s in sample_seqs):
-                dev = logits.device
-                lp = torch.log_softmax(logits, dim=-1)[torch.arange(len(toks), device=dev), torch.tensor(toks, device=dev)].cpu()
-                logprobs = dict(zip(ids, lp.tolist()))
+            # best_of ranks every sequence of the prompt (its children too) by cumulative log-probability
+            ranks_all = any((s.sampling_params.best_of or 0) > s.sampling_params.n for s in sample_seqs)
+            want = list(range(len(ids))) if ranks_all else [i for i, p in enumerate(params) if p.needs_logprobs]
+            if want:
+                lps = token_logprobs(logits[want], [toks[i] for i in want],
+                                     [params[i].logprobs or 0 for i in want])
+                logprobs = {ids[i]: lp.logprob for i, lp in zip(want, lps)}
+                tok_lps = {ids[i]: lp for i, lp in zip(want, lps) if params[i].logprobs is not None}
+        prompt_lps = self._prompt_logprobs(seqs, hidden, first_idx)
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
         if self.device.type == "cuda":  # a step that samples nothing has not waited for the GPU yet
             torch.cuda.synchronize(self.device)
-        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs, beam_cands)
+        return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs=logprobs, beam_candidates=beam_cands,
+                          token_logprobs=tok_lps, prompt_logprobs=prompt_lps)
+
+    LOGITS_CHUNK = 512  # prompt positions whose logits are computed at once ([chunk, vocab] float32)
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, first_idx: dict[str, int]) -> dict:
+        """``{request id: {position: TokenLogprob}}`` for the prefill chunks of requests that ask for prompt
+        log-probabilities: the logits at position ``q`` score the prompt's token ``q + 1``."""
+        out: dict[str, dict] = {}
+        for s in seqs:
+            p, req = s.sampling_params, s.request
+            if p.prompt_logprobs is None or req is None or s.is_decode:
+                continue
+            n_prompt = req.num_prompt_tokens
+            positions = [q for q in range(s.start_pos, s.start_pos + s.num_tokens) if q + 1 < n_prompt]
+            got: dict = {}
+            for c in range(0, len(positions), self.LOGITS_CHUNK):
+                part = positions[c : c + self.LOGITS_CHUNK]
+                rows = torch.arange(part[0], part[-1] + 1, device=self.device) - s.start_pos + first_idx[s.request_id]
+                logits = self.model.compute_logits(hidden[rows])
+                targets = [req.prompt_token_ids[q + 1] for q in part]
+                for q, lp in zip(part, token_logprobs(logits, targets, [p.prompt_logprobs] * len(part))):
+                    got[q + 1] = lp
+            if got:
+                out[s.request_id] = got
+        return out
 
     def _copy_blocks(self, out: SchedulerOutput) -> float:
         """Run the step's swap-outs, swap-ins and block copies (in that order); returns the seconds the
@@ -106,6 +139,7 @@ class ModelExecutor:
         bs = self.kv.block_size
         ids, pos, slots = [], [], []
         last_idx: dict[str, int] = {}
+        first_idx: dict[str, int] = {}
         dec_tables, dec_lens, prefills = [], [], []
         for s in seqs:
             off = len(ids)
@@ -115,6 +149,7 @@ class ModelExecutor:
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             last_idx[s.request_id] = len(ids) - 1
+            first_idx[s.request_id] = off
             if s.is_decode:
                 dec_tables.append(table)
                 dec_lens.append(s.context_len)
@@ -127,7 +162,7 @@ class ModelExecutor:
             meta.num_decode_tokens = len(dec_tables)
             meta.decode_block_tables = self._tensor(padded)
             meta.decode_context_lens = self._tensor(dec_lens)
-        return self._tensor(ids), self._tensor(pos), meta, last_idx
+        return self._tensor(ids), self._tensor(pos), meta, last_idx, first_idx
 
     def _block_table(self, s: ScheduledSeq) -> list[int]:
         """The KV blocks ``s`` reads and writes: its block table, with every ``PAD_BLOCK`` of a padding row

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from engines.core.detokenizer import IncrementalDetokenizer
+from engines.core.logprobs import TokenLogprob
 from engines.core.request import Request, RequestStatus
 
 log = logging.getLogger("workbench.serve")
@@ -47,6 +48,7 @@ class TokenDelta:
     finish_reason: str | None = None
     error: str | None = None
     index: int = 0  # the stream's position in its group (the choice index)
+    logprob: TokenLogprob | None = None  # the token's log-probabilities (SamplingParams.logprobs)
 
 
 @dataclass(eq=False)
@@ -256,7 +258,7 @@ class AsyncEngine:
         if rejected is not None:
             out.append((stream, self._final(stream, "rejected", rejected.error)))
             return
-        stream.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling_params.stop)
+        stream.detok = IncrementalDetokenizer.for_request(self.tokenizer, req)
         self._streams[req.request_id] = stream
 
     def _emit(self, finished: dict) -> list:
@@ -266,8 +268,11 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             req = stream.request
             new = req.output_token_ids[stream.num_sent:]
+            o = finished.get(rid)
+            # a last token that stopped the request (EOS, stop_token_ids) is sent but adds no text
+            token_stop = o is not None and req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int)
             for i, tok in enumerate(new):
-                text, _ = stream.detok.step(tok)
+                text = "" if token_stop and i == len(new) - 1 else stream.detok.step(tok)[0]
                 k = stream.num_sent
                 if m is not None:
                     if k == 0:
@@ -277,8 +282,7 @@ class AsyncEngine:
                         m.itl.observe(req.token_times[k] - req.token_times[k - 1])
                     m.generation_tokens.inc()
                 stream.num_sent += 1
-                out.append((stream, TokenDelta([tok], text)))
-            o = finished.get(rid)
+                out.append((stream, TokenDelta([tok], text, logprob=_at(req.output_logprobs, k))))
             if o is not None:
                 del self._streams[rid]
                 tail = stream.detok.flush()
@@ -361,6 +365,10 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the loop has closed (server shutting down)
                 pass
+
+
+def _at(items: list, i: int):
+    return items[i] if i < len(items) else None
 
 
 def _put_all(batch) -> None:
