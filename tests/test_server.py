@@ -543,8 +543,20 @@ def test_context_length_error_names_prompt_tokens_max_tokens_and_the_rule(server
 def test_bad_values_are_refused_with_400_not_a_server_error(server, small_server):
     url, _ = server
     cases = [
-        (dict(prompt="x", max_tokens=2, best_of=2), "best_of"),
-        (dict(prompt="x", max_tokens=2, logit_bias={"5": 10}), "logit_bias"),
+        (dict(prompt="x", max_tokens=2, n=2, best_of=1), "best_of"),
+        (dict(prompt="x", max_tokens=2, best_of=3, stream=True), "best_of"),
+        (dict(prompt="x", max_tokens=2, logit_bias={"five": 10}), "logit_bias"),
+        (dict(prompt="x", max_tokens=2, logit_bias={"5": 101}), "logit_bias"),
+        (dict(prompt="x", max_tokens=2, logit_bias={"999999": 1}), "logit_bias"),
+        (dict(prompt="x", max_tokens=2, stop_token_ids=[10**6]), "stop_token_ids"),
+        (dict(prompt="x", max_tokens=2, min_tokens=3), "min_tokens"),
+        (dict(prompt="x", max_tokens=2, logprobs=21), "logprobs"),
+        (dict(prompt="x", max_tokens=2, prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(prompt="x", max_tokens=2, presence_penalty=2.5), "presence_penalty"),
+        (dict(prompt="x", max_tokens=2, repetition_penalty=0), "repetition_penalty"),
+        (dict(prompt="x", max_tokens=2, frobnicate=1), "frobnicate"),
+        (dict(prompt="x", max_tokens=2, tools=[{"type": "function"}]), "tools"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
         (dict(prompt="x", max_tokens=2, guided_json={"type": "object"}), "guided_json"),
         (dict(prompt="x", max_tokens=2, seed=2**70), "seed"),
         (dict(prompt="x", max_tokens=2, n=65), "n"),
@@ -553,6 +565,13 @@ def test_bad_values_are_refused_with_400_not_a_server_error(server, small_server
         r = _post(url, **body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert _post(url, prompt="x", max_tokens=2, best_of=1).status_code == 200  # neutral values are fine
+    assert _post(url, prompt="x", max_tokens=2, tools=[], user="u1", metadata={"a": "b"}, store=False,
+                 service_tier="auto").status_code == 200  # documented no-ops
+    chat = "/v1/chat/completions"
+    for body, param in [(dict(echo=True), "echo"), (dict(top_logprobs=2), "top_logprobs"),
+                        (dict(logprobs=True, top_logprobs=30), "top_logprobs")]:
+        r = _post(url, chat, messages=[{"role": "user", "content": "x"}], max_tokens=2, **body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     for raw in ('{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": NaN}',
                 '{"model": "tiny", "prompt": "x", "max_tokens": 2, "top_p": Infinity}'):
         r = httpx.post(url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"})

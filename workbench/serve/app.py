@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or, with
 ``stream: true``, server-sent events ending in ``data: [DONE]``), ``GET /health``, ``GET /metrics``
-(Prometheus text, vLLM's names), and vLLM's ``POST /tokenize`` / ``POST /detokenize``. Extensions as in vLLM: ``ignore_eos``, ``top_k``, ``return_token_ids``
+(Prometheus text, vLLM's names), and vLLM's ``POST /tokenize`` / ``POST /detokenize`` / ``GET /tokenizer_info``
+(which lm-evaluation-harness's remote tokenizer reads). Extensions as in vLLM: ``ignore_eos``, ``top_k``, ``return_token_ids``
 (each choice / chunk carries its ``token_ids``), ``cache_salt`` (mixed into the request's prefix-cache
 block hashes: requests share cached KV only with requests of the same salt), and a completions
 ``prompt`` may be token ids.
@@ -13,10 +14,24 @@ header (or, failing that, the body's ``request_id``) is a label only, as in vLLM
 is ``cmpl-<label>`` / ``chatcmpl-<label>``, the response echoes it in ``X-Request-Id``, and the logs
 name it next to the engine's ids. Without a label the id is ``cmpl-<uuid>``.
 
-Request fields: unknown ones are accepted and ignored (as vLLM), but the OpenAI / vLLM generation
-controls this server does not implement (``UNSUPPORTED_FIELDS``: ``best_of``, ``logit_bias``, guided
-decoding...) are refused with a 400 when set to anything but their neutral value. Floats must be
-finite; a temperature in (0, 0.01) is raised to 0.01, as vLLM does (smaller ones overflow the logits).
+Request fields: what OpenAI and vLLM define and this server implements (sampling: ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``seed``, ``n``, ``best_of``, ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logit_bias``; stopping: ``stop``, ``stop_token_ids``, ``min_tokens``,
+``ignore_eos``, ``include_stop_str_in_output``; output: ``logprobs`` (completions: top-N per token; chat:
+``logprobs: true`` with ``top_logprobs``), ``echo`` (completions: the prompt first, with its logprobs when
+``logprobs`` is set), ``prompt_logprobs`` (vLLM), ``skip_special_tokens``, ``return_token_ids``,
+``stream_options.include_usage`` / ``continuous_usage_stats``). Fields of the OpenAI API that mean nothing
+to a local server (``NOOP_FIELDS``: ``user``, ``metadata``, ``store``, ``service_tier``...) are accepted and
+ignored. Every other field is refused with a 400 that names it (a generation control this server does not
+implement, such as guided decoding or tools, is never silently ignored), except that the
+``UNSUPPORTED_FIELDS`` pass when set to their neutral value (``tools: []``). 0 is never "unset": a
+``max_tokens`` or ``max_completion_tokens`` of 0 is refused. Floats must be finite; a temperature in (0,
+0.01) is raised to 0.01, as vLLM does (smaller ones overflow the logits).
+
+Log-probabilities are the float32 log-softmax of the model's raw logits (before penalties, biases and
+temperature; vLLM's default), from the same forward pass that samples; ``-inf`` is sent as -9999.0 (JSON
+has no infinity). A request with prompt logprobs (or echo with logprobs) does not read the prefix cache:
+every prompt position is computed, so identical requests get identical prompt logprobs.
 
 Streaming sends one chunk per generated token (its text may be empty while a multi-byte character or a
 possible stop string is held back), so client-side inter-token latencies are per token, as
@@ -31,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -65,15 +81,21 @@ class StreamOptions(BaseModel):
 # OpenAI / vLLM request fields that change what is generated and that this server does not implement:
 # refused (400) when set to anything but one of their neutral values, never silently ignored
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""), "top_logprobs": (None, 0),
-    "prompt_logprobs": (None,), "min_tokens": (None, 0), "min_p": (None, 0), "stop_token_ids": (None, []),
-    "include_stop_str_in_output": (None, False), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "suffix": (None, ""), "allowed_token_ids": (None,), "bad_words": (None, []),
     "use_beam_search": (None, False), "length_penalty": (None, 1), "logits_processors": (None,),
     "truncate_prompt_tokens": (None,), "prompt_embeds": (None,), "response_format": (None, {"type": "text"}),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"),
+    "function_call": (None, "none"), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
+    "web_search_options": (None,), "spaces_between_special_tokens": (None, True), "priority": (None, 0),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False), "chat_template": (None,),
+    "chat_template_kwargs": (None, {}), "documents": (None,), "add_special_tokens": (None,),
 }
+# OpenAI fields with no meaning for a local server: accepted and ignored (documented no-ops)
+NOOP_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+                         "verbosity", "safety_identifier", "prompt_cache_key"})
+MAX_LOGPROBS = 20  # most top log-probabilities per position (vLLM's default max_logprobs)
+LOGPROB_FLOOR = -9999.0  # what -inf is sent as (as vLLM)
 LABEL_RE = re.compile(r"[!-~]{1,256}")  # a client's request label: printable ASCII, no spaces
 MIN_TEMPERATURE = 0.01  # vLLM's floor for a non-zero temperature (_MAX_TEMP in vllm/sampling_params.py)
 INT64 = 2**63
@@ -82,8 +104,9 @@ INT64 = 2**63
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat requests.
 
-    Unknown fields are accepted and ignored, except ``UNSUPPORTED_FIELDS`` (refused when set). Floats
-    must be finite (NaN or Infinity, which Python's JSON parser accepts, are refused).
+    Other fields: ``NOOP_FIELDS`` are ignored, ``UNSUPPORTED_FIELDS`` refused unless neutral, anything else
+    refused (see the module docstring). Floats must be finite (NaN or Infinity, which Python's JSON parser
+    accepts, are refused).
     """
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -93,29 +116,51 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1, le=64)
+    best_of: int | None = Field(None, ge=1, le=64)
     seed: int | None = Field(None, ge=-INT64, le=INT64 - 1)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
-    logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     request_id: str | None = None  # a label for logs and the response id; X-Request-Id wins over it
     cache_salt: str | None = Field(None, min_length=1, max_length=4096)
+
+    def top_logprobs_count(self) -> int | None:
+        """How many top log-probabilities per generated token were asked for (None: no logprobs)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):
@@ -185,6 +230,7 @@ class ServerState:
         self.metrics = ServerMetrics(model_name)
         self.engine = AsyncEngine(llm.engine, max_waiting=max_waiting, metrics=self.metrics)
         self.created = int(time.time())
+        self.token_strs: dict[int, str] = {}  # token id -> its text (logprobs), filled as used
 
 
 def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int | None = 1024) -> FastAPI:
@@ -263,12 +309,24 @@ def build_app(llm, model_name: str, api_key: str | None = None, max_waiting: int
             raise APIError(400, f"token ids must be in [0, {state.vocab_size})", "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's tokenizer description (lm-evaluation-harness's remote tokenizer reads ``eos_token`` and
+        ``chat_template`` here, then tokenizes through ``/tokenize``)."""
+        tok = state.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "model_max_length": state.max_model_len,
+                "vocab_size": state.vocab_size, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "eos_token_ids": sorted(state.llm.eos_token_ids),
+                "chat_template": getattr(tok, "chat_template", None)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: HTTPRequest):
         _check_model(state, body.model)
         prompts = _completion_prompts(state, body.prompt)
         sp = _sampling_params(state, body, body.max_tokens, [len(p) for p in prompts], default_max_tokens=16)
-        return await _respond(state, request, body, prompts, sp, chat=False)
+        texts = _prompt_texts(state, body.prompt, prompts) if body.echo else None
+        return await _respond(state, request, body, prompts, sp, chat=False, prompt_texts=texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: HTTPRequest):
@@ -308,6 +366,14 @@ def _completion_prompts(state: ServerState, prompt) -> list[list[int]]:
     return out
 
 
+def _prompt_texts(state: ServerState, prompt, ids: list[list[int]]) -> list[str]:
+    """What ``echo`` returns for each prompt: the prompt string as sent, or its token ids decoded."""
+    strings = [prompt] if isinstance(prompt, str) else list(prompt) if prompt and isinstance(prompt[0], str) else None
+    if strings is not None:
+        return strings
+    return [state.tokenizer.decode(p, skip_special_tokens=False) for p in ids]
+
+
 def _chat_prompt(state: ServerState, messages: list[dict]) -> list[int]:
     """The conversation through the tokenizer's chat template, with the assistant turn opened."""
     if not getattr(state.tokenizer, "chat_template", None):
@@ -337,18 +403,7 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
     ``max_tokens`` defaults to ``default_max_tokens`` (16 for completions, as OpenAI and vLLM) or, when
     that is None (chat), to what is left of ``max_model_len`` (and of the KV pool) after the longest prompt.
     """
-    extra = body.model_extra or {}
-    for name, neutral in UNSUPPORTED_FIELDS.items():
-        if name in extra and not any(extra[name] == v for v in neutral):
-            raise APIError(400, f"{name} is not supported by this server", name)
-    if body.logprobs not in (None, False):
-        raise APIError(400, "logprobs is not supported by this server", "logprobs")
-    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-        v = getattr(body, name)
-        if v is not None and v != neutral:
-            raise APIError(400, f"{name} is not supported by this server (only {neutral})", name)
-    if getattr(body, "echo", False):
-        raise APIError(400, "echo is not supported by this server", "echo")
+    _check_extra_fields(body)
     limit, longest = state.max_model_len, max(prompt_lens)
     prompt_param = "prompt" if isinstance(body, CompletionRequest) else "messages"
     rule = f"prompt tokens + max_tokens must be <= max_model_len ({limit})"
@@ -369,8 +424,29 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
     if top_p < 1.0 / state.vocab_size:  # the nucleus is the most likely token alone (its probability is
         top_k = 1                       # >= 1/vocab): sample it as such, not through a top_p that float32 rounds to 0
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop_ids = list(body.stop_token_ids or [])
+    bad_id = next((t for t in stop_ids if not 0 <= t < state.vocab_size), None)
+    if bad_id is not None:
+        raise APIError(400, f"stop_token_ids: {bad_id} is outside the vocabulary [0, {state.vocab_size})", "stop_token_ids")
+    logprobs = body.top_logprobs_count()
+    prompt_logprobs = body.prompt_logprobs
+    if getattr(body, "echo", False) and logprobs is not None:  # the echoed prompt carries its logprobs
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    best_of = body.best_of
+    if best_of is not None and best_of < body.n:
+        raise APIError(400, f"best_of must be >= n ({body.n}), got {best_of}", "best_of")
+    if best_of is not None and best_of > body.n and body.stream:
+        raise APIError(400, "best_of > n cannot be streamed (the best sequences are known only at the end)", "best_of")
+    if best_of is not None and best_of > body.n and logprobs is None:
+        logprobs = 0  # each sequence's cumulative logprob ranks it (not returned unless asked)
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed,
-                        stop=[s for s in stop if s], ignore_eos=body.ignore_eos)
+                        stop=[s for s in stop if s], ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                        stop_token_ids=stop_ids, include_stop_str_in_output=body.include_stop_str_in_output,
+                        skip_special_tokens=body.skip_special_tokens,
+                        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                        logit_bias=_logit_bias(state, body.logit_bias), min_p=body.min_p or 0.0,
+                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     bad = sp.validate()
     if bad:
         raise APIError(400, bad, bad.split(" ", 1)[0])
@@ -380,6 +456,37 @@ def _sampling_params(state: ServerState, body: _SamplingRequest, max_tokens: int
                             f"Please reduce the prompt or max_tokens.",
                        prompt_param if longest >= limit else "max_tokens")
     return sp
+
+
+def _check_extra_fields(body: _SamplingRequest) -> None:
+    """400 for a field this server does not implement (``NOOP_FIELDS`` pass; ``UNSUPPORTED_FIELDS`` pass when
+    neutral); the message names the field."""
+    for name, value in (body.model_extra or {}).items():
+        if name in NOOP_FIELDS:
+            continue
+        neutral = UNSUPPORTED_FIELDS.get(name)
+        if neutral is not None and any(value == v for v in neutral):
+            continue
+        what = "is not supported by this server" if neutral is not None else "is not a field this server knows"
+        raise APIError(400, f"{name} {what}", name)
+
+
+def _logit_bias(state: ServerState, bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias in [-100, 100]) as ``{token id: bias}``; 400 for a key
+    that is no token id of the vocabulary or a value out of range."""
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < state.vocab_size:
+            raise APIError(400, f"logit_bias: token id {tok} is outside the vocabulary [0, {state.vocab_size})",
+                           "logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias: the bias of token {tok} must be in [-100, 100], got {value}", "logit_bias")
+        out[tok] = float(value)
+    return out
 
 
 # --------------------------------------------------------------------------------- n (parallel sampling)
@@ -444,20 +551,21 @@ def _request_label(http: HTTPRequest, body: _SamplingRequest) -> str | None:
 
 
 async def _respond(state: ServerState, http: HTTPRequest, body: _SamplingRequest, prompts: list[list[int]],
-                   sp: SamplingParams, chat: bool):
+                   sp: SamplingParams, chat: bool, prompt_texts: list[str] | None = None):
     kind = "chatcmpl" if chat else "cmpl"
     label = _request_label(http, body)
     engine_prefix = f"{kind}-{uuid.uuid4().hex}"  # the engine's ids: the server's own, unique per call
     rid = f"{kind}-{label}" if label is not None else engine_prefix  # the response's id
-    reqs = fan_out_requests(state, prompts, sp, body.n, engine_prefix, body.cache_salt)
-    group = _submit(state, reqs, body.n)
+    per_prompt = body.best_of or body.n  # sequences generated per prompt (best_of: the n best are returned)
+    reqs = fan_out_requests(state, prompts, sp, per_prompt, engine_prefix, body.cache_salt)
+    group = _submit(state, reqs, per_prompt)
     log.info("%s: %d sequence(s) as %s-0..%d", rid, len(reqs), engine_prefix, len(reqs) - 1)
     headers = {"X-Request-Id": label if label is not None else rid}
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs[:: body.n])
+    view = _View(state, body, chat, rid, prompt_texts or [""] * len(prompts), per_prompt)
+    view.prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs[::per_prompt])
     if body.stream:
-        return StreamingResponse(_stream(state, body, group, rid, prompt_tokens, chat), media_type="text/event-stream",
-                                 headers=headers)
-    out = await _until_done_or_disconnect(state, http, group, _collect(state, body, group, rid, prompt_tokens, chat))
+        return StreamingResponse(_stream(state, view, group), media_type="text/event-stream", headers=headers)
+    out = await _until_done_or_disconnect(state, http, group, _collect(state, view, group))
     return out if isinstance(out, Response) else JSONResponse(out, headers=headers)
 
 
@@ -489,9 +597,135 @@ def _raise_for(delta) -> None:
         raise APIError(500, delta.error or "engine failure")
 
 
-async def _collect(state: ServerState, body, group: RequestGroup, rid: str, prompt_tokens: int, chat: bool):
-    n = len(group.streams)
-    texts, ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+class _View:
+    """How one API call's output is written: completions or chat, echo, which logprobs, token strings."""
+
+    def __init__(self, state: ServerState, body: _SamplingRequest, chat: bool, rid: str, prompt_texts: list[str],
+                 per_prompt: int):
+        self.state, self.body, self.chat, self.rid = state, body, chat, rid
+        self.prompt_texts, self.per_prompt = prompt_texts, per_prompt
+        self.num_top = body.top_logprobs_count()  # None: no logprobs in the answer
+        self.echo = bool(getattr(body, "echo", False))
+        self.prompt_tokens = 0
+
+    def token_str(self, tok: int) -> str:
+        """A token's own text, special tokens included (vLLM's ``decoded_token``)."""
+        cache = self.state.token_strs
+        t = cache.get(tok)
+        if t is None:
+            t = cache[tok] = self.state.tokenizer.decode([tok], skip_special_tokens=False)
+        return t
+
+    def token_bytes(self, tok: int) -> list[int]:
+        """A token's raw bytes (OpenAI's ``bytes``: a token can hold part of a UTF-8 character, which its text
+        shows as U+FFFD): byte-level BPE pieces mapped back through GPT-2's byte alphabet, other tokens as
+        the UTF-8 of their text."""
+        piece = self.state.tokenizer.convert_ids_to_tokens(tok)
+        inverse = _byte_decoder()
+        if isinstance(piece, str) and piece and all(ch in inverse for ch in piece):
+            return [inverse[ch] for ch in piece]
+        return list(self.token_str(tok).encode("utf-8"))
+
+    def completion_logprobs(self, entries: list, offset: int) -> dict:
+        """OpenAI's legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
+        position's own token, then the ``logprobs`` most likely) and ``text_offset`` (characters, from
+        ``offset``), for ``entries`` = ``[(token id, TokenLogprob or None)]``."""
+        tokens, lps, tops, offsets = [], [], [], []
+        for tok, lp in entries:
+            t = self.token_str(tok)
+            tokens.append(t)
+            offsets.append(offset)
+            offset += len(t)
+            if lp is None:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(_lp(lp.logprob))
+            top = {t: _lp(lp.logprob)}
+            for tid, v in lp.top[: self.num_top]:
+                top.setdefault(self.token_str(tid), _lp(v))
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list) -> dict:
+        """The chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+        def one(tok, v):
+            return {"token": self.token_str(tok), "logprob": _lp(v), "bytes": self.token_bytes(tok)}
+
+        return {"content": [{**one(tok, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top[: self.num_top]]}
+                            for tok, lp in entries if lp is not None]}
+
+    def prompt_logprobs(self, req: Request) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {logprob, rank, decoded_token}}`` (its own
+        token, then the most likely), the first None; None when not asked."""
+        if self.body.prompt_logprobs is None:
+            return None
+        out: list = []
+        for tok, lp in zip(req.prompt_token_ids, req.prompt_logprobs or [None] * req.num_prompt_tokens):
+            if lp is None:
+                out.append(None)
+                continue
+            d = {str(tok): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": self.token_str(tok)}}
+            for rank, (tid, v) in enumerate(lp.top[: self.body.prompt_logprobs], 1):
+                d.setdefault(str(tid), {"logprob": _lp(v), "rank": rank, "decoded_token": self.token_str(tid)})
+            out.append(d)
+        return out
+
+    def echo_entries(self, req: Request) -> list:
+        return list(zip(req.prompt_token_ids, req.prompt_logprobs or [None] * req.num_prompt_tokens))
+
+    def logprobs_of(self, entries: list, offset: int = 0) -> dict | None:
+        if self.num_top is None:
+            return None
+        return self.chat_logprobs(entries) if self.chat else self.completion_logprobs(entries, offset)
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (the inverse of ``bytes_to_unicode`` in GPT-2's
+    ``encoder.py``: printable bytes stand for themselves, the others are shifted to 256 + i)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _lp(v: float) -> float:
+    return v if v > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf has no JSON form
+
+
+def _stop_reason(req: Request):
+    """vLLM's ``stop_reason``: the stop string or ``stop_token_ids`` id that ended the sequence, None for EOS,
+    a length limit or an abort."""
+    r = req.stop_reason
+    if isinstance(r, int) and r not in req.sampling_params.stop_token_ids:
+        return None
+    return r
+
+
+def _best(streams: list, per_prompt: int, n: int) -> list:
+    """Per prompt, its ``n`` sequences of highest cumulative log-probability among ``per_prompt`` (best_of),
+    in generation order otherwise; the list is in choice order."""
+    if per_prompt == n:
+        return streams
+    out = []
+    for p in range(0, len(streams), per_prompt):
+        cands = streams[p : p + per_prompt]
+        ranked = sorted(cands, key=lambda s: -sum(lp.logprob for lp in s.request.output_logprobs))
+        out.extend(ranked[:n])
+    return out
+
+
+async def _collect(state: ServerState, view: _View, group: RequestGroup):
+    body, chat = view.body, view.chat
+    k = len(group.streams)
+    texts, ids, reasons = [""] * k, [[] for _ in range(k)], [None] * k
     async for d in group:
         _raise_for(d)
         texts[d.index] += d.text
@@ -499,19 +733,34 @@ async def _collect(state: ServerState, body, group: RequestGroup, rid: str, prom
         if d.finish_reason:
             reasons[d.index] = d.finish_reason
     choices = []
-    for i in range(n):
+    top_prompt_logprobs = None
+    for i, stream in enumerate(_best(group.streams, view.per_prompt, body.n)):
+        j, req = stream.index, stream.request
+        out_entries = list(zip(ids[j], req.output_logprobs)) if view.num_top is not None else []
         c: dict[str, Any] = {"index": i}
         if chat:
-            c["message"] = {"role": "assistant", "content": texts[i]}
+            c["message"] = {"role": "assistant", "content": texts[j]}
+            c["logprobs"] = view.logprobs_of(out_entries)
         else:
-            c["text"] = texts[i]
-        c.update({"logprobs": None, "finish_reason": reasons[i]})
+            prompt_text = view.prompt_texts[j // view.per_prompt] if view.echo else ""
+            c["text"] = prompt_text + texts[j]
+            entries = (view.echo_entries(req) if view.echo else []) + out_entries
+            c["logprobs"] = view.logprobs_of(entries)
+        c.update({"finish_reason": reasons[j], "stop_reason": _stop_reason(req)})
         if body.return_token_ids:
-            c["token_ids"] = ids[i]
+            c["token_ids"] = ids[j]
+        pl = view.prompt_logprobs(req)
+        if chat:
+            top_prompt_logprobs = top_prompt_logprobs or pl
+        elif pl is not None:
+            c["prompt_logprobs"] = pl
         choices.append(c)
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices,
-            "usage": _usage(prompt_tokens, sum(len(x) for x in ids))}
+    out = {"id": view.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+           "model": state.model_name, "choices": choices,
+           "usage": _usage(view.prompt_tokens, sum(len(x) for x in ids))}
+    if chat and body.prompt_logprobs is not None:
+        out["prompt_logprobs"] = top_prompt_logprobs
+    return out
 
 
 # characters str.splitlines() breaks lines at that json.dumps(ensure_ascii=False) leaves raw; SSE lines end at
@@ -524,29 +773,43 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
-async def _stream(state: ServerState, body, group: RequestGroup, rid: str, prompt_tokens: int, chat: bool):
+async def _stream(state: ServerState, view: _View, group: RequestGroup):
     """SSE chunks: one per generated token per choice, then usage (if asked), then ``[DONE]``.
 
+    With ``echo`` a choice's first chunk is its prompt (with its logprobs when asked); a choice's first
+    token chunk carries ``prompt_logprobs`` when asked (in the choice for completions, at the top for chat).
     Whatever ends the generator early (client disconnect, cancellation) aborts the unfinished requests.
     """
+    body, chat, rid = view.body, view.chat, view.rid
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous_usage = include_usage and body.stream_options.continuous_usage_stats
     completion_tokens = 0
+    offsets = [0] * len(group.streams)  # text_offset of each choice's next token (completions logprobs)
+    started = [False] * len(group.streams)
 
-    def chunk(index: int, text: str, finish: str | None, token_ids: list[int] | None, first: bool = False) -> str:
+    def chunk(index: int, text: str, finish: str | None, token_ids: list[int] | None, first: bool = False,
+              entries: list | None = None, extra: dict | None = None, top: dict | None = None) -> str:
         c: dict[str, Any] = {"index": index}
         if chat:
             c["delta"] = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+            c["logprobs"] = view.logprobs_of(entries) if entries else None
         else:
             c["text"] = text
-        c.update({"logprobs": None, "finish_reason": finish})
+            c["logprobs"] = view.logprobs_of(entries, offsets[index]) if entries else None
+            if entries:
+                offsets[index] += sum(len(view.token_str(t)) for t, _ in entries)
+        c["finish_reason"] = finish
+        if extra:
+            c.update(extra)
         if body.return_token_ids and token_ids is not None:
             c["token_ids"] = token_ids
         out = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [c]}
+        if top:
+            out.update(top)
         if include_usage:
-            out["usage"] = _usage(prompt_tokens, completion_tokens) if continuous_usage else None
+            out["usage"] = _usage(view.prompt_tokens, completion_tokens) if continuous_usage else None
         return _sse(out)
 
     try:
@@ -557,13 +820,27 @@ async def _stream(state: ServerState, body, group: RequestGroup, rid: str, promp
             if d.finish_reason in ("rejected", "error"):  # an error event in the stream, as vLLM does
                 yield _sse(APIError(400 if d.finish_reason == "rejected" else 500, d.error or "failed").body())
                 continue
+            req = group.streams[d.index].request
             completion_tokens += len(d.token_ids)
             if not d.token_ids and not d.text and d.finish_reason is None:
                 continue
-            yield chunk(d.index, d.text, d.finish_reason, d.token_ids)
+            text, top = d.text, None
+            entries = [(t, d.logprob) for t in d.token_ids] if view.num_top is not None and d.logprob else []
+            extra = {"stop_reason": _stop_reason(req)} if d.finish_reason else {}
+            if not started[d.index]:  # the choice's first chunk: the echoed prompt, prompt logprobs
+                started[d.index] = True
+                if view.echo:
+                    text = view.prompt_texts[d.index // view.per_prompt] + text
+                    entries = (view.echo_entries(req) if view.num_top is not None else []) + entries
+                pl = view.prompt_logprobs(req)
+                if pl is not None and chat:
+                    top = {"prompt_logprobs": pl}
+                elif pl is not None:
+                    extra["prompt_logprobs"] = pl
+            yield chunk(d.index, text, d.finish_reason, d.token_ids, entries=entries or None, extra=extra, top=top)
         if include_usage:
             yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [],
-                        "usage": _usage(prompt_tokens, completion_tokens)})
+                        "usage": _usage(view.prompt_tokens, completion_tokens)})
         yield "data: [DONE]\n\n"
     finally:
         for s in group.unfinished():
