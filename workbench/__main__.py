@@ -1,0 +1,5 @@
+"""``python -m workbench ...`` runs the CLI (as the ``workbench`` console script does)."""
+
+from workbench.cli import app
+
+app()
