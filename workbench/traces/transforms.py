@@ -37,6 +37,7 @@ def apply_transforms(
     length_scale: float | None = None,
     burstiness: float | None = None,
     stats: LoadStats | None = None,
+    output_tokens: int | None = None,
 ) -> list[TraceRequest]:
     """Cut, sample and rescale a trace; returns new requests (the input is not changed).
 
@@ -52,6 +53,8 @@ def apply_transforms(
        Poisson, see :func:`synthetic_arrivals`). ``inf`` puts every arrival at 0.
     5. ``length_scale``: multiply prompt and output lengths (rounded, at least 1).
     6. ``max_input_tokens`` / ``max_output_tokens``: clip lengths.
+    7. ``output_tokens``: every request's output length set to this (a fixed output length, as
+       ``vllm bench serve --sharegpt-output-len``); each request it changes is counted.
 
     Prompt token ids follow the prompt length: cutting keeps the prefix (so shared prefixes stay shared),
     growing appends synthesized ids; ``prompt_text`` is dropped once the length changed.
@@ -109,7 +112,8 @@ def apply_transforms(
     if length_scale is not None:
         if not (isinstance(length_scale, (int, float)) and 0 < length_scale < math.inf):
             raise TraceError(f"length_scale must be a finite number > 0, got {shown(length_scale)}")
-    for name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
+    for name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens),
+                      ("output_tokens", output_tokens)):
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise TraceError(f"{name} must be a positive integer, got {shown(cap)}")
     for r in out:
@@ -130,6 +134,10 @@ def apply_transforms(
             o = max_output_tokens
             if stats is not None:
                 stats.change(f"output_tokens clipped to max_output_tokens {max_output_tokens}", where)
+        if output_tokens is not None and o != output_tokens:
+            if stats is not None:
+                stats.change(f"output_tokens set to output_tokens {output_tokens}", where, f"was {o}")
+            o = output_tokens
         if p != r.prompt_tokens:
             r.prompt_token_ids, r.prompt_text = _resize_ids(r, p, seed)
         r.prompt_tokens, r.output_tokens = p, o
