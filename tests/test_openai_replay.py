@@ -38,11 +38,16 @@ def test_schema_kind_openai(tmp_path):
     bad = [({"name": "srv", "kind": "openai"}, "needs base_url"),
            ({"name": "srv", "kind": "openai", "base_url": "h:1"}, "needs base_url"),
            ({"name": "srv", "kind": "openai", "base_url": "http://h:1/v1", "max_num_seqs": 4}, "set on the server"),
-           ({"name": "p", "kind": "paged", "base_url": "http://h:1/v1"}, "only for kind openai")]
+           ({"name": "p", "kind": "paged", "base_url": "http://h:1/v1"}, "only for kind openai"),
+           ({"name": "p", "kind": "paged", "endpoint": "chat"}, "only for kind openai"),
+           ({"name": "srv", "kind": "openai", "base_url": "http://h:1/v1", "endpoint": "responses"}, "endpoint"),
+           ({"name": "srv", "kind": "openai", "base_url": "http://h:1/v1", "itl_mode": "step"}, "itl_mode")]
     for eng, msg in bad:
         with pytest.raises(ScenarioError, match=msg):
             validate_scenario({**base, "engines": [eng]})
     assert metrics_url("http://h:8000/v1/") == "http://h:8000/metrics"
+    eng = validate_scenario({**base, "engines": [{"name": "srv", "kind": "openai", "base_url": "http://h:1/v1"}]}).engines[0]
+    assert (eng.endpoint, eng.itl_mode) == ("completions", "chunk")
 
 
 def test_replay_against_our_server_counts_add_up(tiny_llama_dir, tmp_path):
@@ -73,6 +78,36 @@ def test_replay_against_our_server_counts_add_up(tiny_llama_dir, tmp_path):
     import pandas as pd
 
     rf = pd.read_csv(tmp_path / "out" / "srv" / "requests.csv")
+    assert (rf["token_times_s"].str.split().str.len() == rf["output_tokens"]).all()
+
+
+def test_chat_replay_against_our_server(tiny_llama_dir, tmp_path):
+    """endpoint chat: the trace's token ids decoded, sent as one user message; the server's chat template
+    makes the prompts longer than the trace's, and usage.prompt_tokens counts them; one output token per
+    content chunk, the role-only first chunk not a token."""
+    llm = LLM(tiny_llama_dir, kv_cache_tokens=4096, max_model_len=512)
+    llm.tokenizer.chat_template = "{% for m in messages %}<user> {{ m['content'] }}\n{% endfor %}<assistant> "
+    from workbench.serve.app import build_app
+
+    with running_server(build_app(llm, "tiny")) as url:
+        engines = [{"name": "chat", "kind": "openai", "base_url": url + "/v1", "model": "tiny", "endpoint": "chat",
+                    "itl_mode": "token"}]
+        res = run_scenario(load_scenario(scenario(tiny_llama_dir, engines, tmp_path)), tmp_path / "out")
+    s = res["engines"]["chat"]["summary"]
+    assert s["num_finished"] == 12 and s["num_rejected"] == s["num_failed"] == 0
+    assert s["num_suspect"] == 0 and s["num_output_tokens_estimated"] == 0
+    assert s["ttft_ms"]["count"] == 12 and s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["count"] > 0
+    import pandas as pd
+
+    rf = pd.read_csv(tmp_path / "out" / "chat" / "requests.csv")
+    assert (~rf["output_tokens_estimated"]).all() and rf["suspect"].isna().all()
+    from workbench.scenario import load_scenario_trace  # prompt tokens: the server's (template, re-tokenized text)
+    from transformers import AutoTokenizer
+
+    sc = load_scenario(tmp_path / "sc.yaml")
+    trace = {t.request_id: t.prompt_tokens for t in load_scenario_trace(sc, AutoTokenizer.from_pretrained(tiny_llama_dir))}
+    assert rf["prompt_tokens"].sum() == s["total_input_tokens"]
+    assert (rf["prompt_tokens"] != rf["request_id"].map(trace)).all()  # not the trace's lengths
     assert (rf["token_times_s"].str.split().str.len() == rf["output_tokens"]).all()
 
 

@@ -53,7 +53,7 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
         assert s["num_finished"] + s["num_rejected"] + s["num_failed"] == 10
         assert s["num_finished"] == 10 and s["output_throughput"] > 0
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-            assert set(s[key]) == {"mean", "p50", "p90", "p99"}
+            assert set(s[key]) == {"mean", "p50", "p90", "p99", "count"} and s[key]["count"] > 0
         assert (out / name / "requests.csv").read_text().count("\n") == 11
         assert (out / name / "steps.csv").exists()
     assert res["engines"]["static"]["summary"]["kv_waste_frac"] > res["engines"]["paged"]["summary"]["kv_waste_frac"]

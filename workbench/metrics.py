@@ -16,11 +16,13 @@ FORMULAS = {
     "request_throughput": "finished requests / duration_s (req/s)",
     "output_throughput": "sum(output tokens of finished requests) / duration_s (tok/s)",
     "total_token_throughput": "sum(prompt + output tokens of finished requests) / duration_s (tok/s)",
-    "ttft_ms": "first token time - arrival time (ms), finished requests",
-    "tpot_ms": "(e2el - ttft) / (output tokens - 1) (ms), requests with > 1 output token; excludes the first token; for a static engine with completion batch_end it includes the wait for the batch's end (the client's view), while itl_ms keeps the token times",
-    "itl_ms": "every gap between consecutive output tokens of a request (ms), all requests pooled",
-    "e2el_ms": "completion time - arrival time (ms): the last token's time; for a static engine with completion batch_end (its default) the end of the request's batch, when a static-batching server returns the batch's answers (own_end: its own last token)",
-    "goodput": "finished requests meeting every SLO limit (ttft, tpot, e2el) / duration_s (req/s), as vllm bench serve --goodput",
+    "ttft_ms": "first token time - arrival time (ms), finished requests; kind openai: the first token time is the arrival of the first streamed chunk that carries output (non-empty text or content, a reasoning_content / reasoning or tool_calls delta, or non-empty token_ids): a role-only or empty chunk is not a token",
+    "tpot_ms": "(e2el - ttft) / (output tokens - 1) (ms), requests with > 1 output token; excludes the first token; undefined for a one-token request, which is left out of the mean and percentiles (count: requests that define it; mean and percentiles null when none does); for a static engine with completion batch_end it includes the wait for the batch's end (the client's view), while itl_ms keeps the token times",
+    "itl_ms": "gaps between a request's consecutive outputs (ms), all requests pooled; none from a request with 1 output token (count: gaps pooled; mean and percentiles null when there is none). In-process engines: every gap between consecutive output token times (a step that emits several tokens, simulated speculative decoding, gives 0-ms gaps). kind openai with itl_mode chunk (the default, as vllm bench serve): one gap per output-carrying chunk after the first, t_i - t_(i-1) for chunk arrival times t_0 < t_1 < ...; itl_mode token: chunk i >= 1 carrying k_i tokens contributes k_i gaps of (t_i - t_(i-1)) / k_i, k_i = len(token_ids) of the chunk (at least 1) when the server streams token ids, else 1; the first chunk contributes none (its wait is ttft)",
+    "e2el_ms": "completion time - arrival time (ms): the last token's time (kind openai: the arrival of the last output-carrying chunk); for a static engine with completion batch_end (its default) the end of the request's batch, when a static-batching server returns the batch's answers (own_end: its own last token)",
+    "goodput": "finished requests meeting every SLO limit (ttft, tpot, e2el; an undefined tpot meets its limit) / duration_s (req/s), as vllm bench serve --goodput; suspect requests (kind openai, see suspect) never count",
+    "output_tokens": "a request's output token count; kind openai: usage.completion_tokens when the server sends it, else the streamed token ids when every output chunk carries token_ids, else an estimate, one per output chunk (len(token_ids) for a chunk that has them): the request is then output_tokens_estimated, and num_output_tokens_estimated counts such finished requests",
+    "suspect": "kind openai: a finished request whose stream disagrees with its usage (workbench.openai_replay.suspect_reason): with U = usage.completion_tokens, every output chunk carrying token_ids and U != their total count; or U < sum over output chunks of (len(token_ids), or 1 for a chunk without token_ids), since a chunk without them carries at least one token; or U > 0 with no output chunk; or U > max_tokens sent. Kept in every figure but goodput; num_suspect counts them, suspect_reasons lists up to 10 reasons",
     "kv_waste_frac": "1 - sum(step duration * slots holding token states) / sum(step duration * slots allocated): time-weighted",
     "kv_breakdown": "time-weighted shares of allocated slots: token_states, reserved (for tokens a request may still produce), internal_frag (allocated slots it can never use), external_frag (gaps between contiguous allocations) (PagedAttention, SOSP 2023, Fig. 2)",
     "kv_usage_mean": "time-weighted mean of slots allocated / pool slots (vllm:kv_cache_usage_perc as a fraction)",
@@ -40,15 +42,43 @@ FORMULAS = {
 }
 
 
-def dist(values_s) -> dict[str, float]:
-    """``{mean, p50, p90, p99}`` in milliseconds of an iterable of seconds (zeros when empty).
+def dist(values_s) -> dict[str, float | int | None]:
+    """``{mean, p50, p90, p99, count}`` of an iterable of seconds: mean and percentiles in milliseconds,
+    ``count`` the number of values; mean and percentiles are None when there is no value (a metric no
+    request defines, e.g. TPOT when every request has one output token), never 0.
 
     Percentiles are :func:`workbench.stats.percentiles` (``numpy.percentile``, linear, as vllm bench serve).
     """
     v = np.asarray(list(values_s), dtype=float) * 1000.0
     if v.size == 0:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    return {"mean": float(v.mean()), **percentiles(v, (50, 90, 99))}
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "count": 0}
+    return {"mean": float(v.mean()), **percentiles(v, (50, 90, 99)), "count": int(v.size)}
+
+
+def chunk_itls(times: list[float], tokens: list[int | None] | None = None, mode: str = "chunk") -> list[float]:
+    """Inter-token latencies (seconds) of a streamed request from its output-carrying chunks.
+
+    Args:
+        times: arrival time of each output-carrying chunk (s), in stream order: t_0, t_1, ...
+        tokens: tokens each chunk carries, k_i (None, or a None entry, where unknown).
+        mode: ``chunk``: one gap t_i - t_(i-1) per chunk i >= 1, as ``vllm bench serve``; ``token``: chunk
+            i >= 1 contributes k_i gaps of (t_i - t_(i-1)) / k_i, k_i at least 1 and 1 where unknown.
+            The first chunk contributes none in either mode (its wait is the TTFT).
+
+    Raises:
+        ValueError: ``mode`` is neither ``chunk`` nor ``token``.
+    """
+    if mode not in ("chunk", "token"):
+        raise ValueError(f"itl mode must be chunk or token, got {mode!r}")
+    out: list[float] = []
+    for i in range(1, len(times)):
+        gap = times[i] - times[i - 1]
+        if mode == "chunk":
+            out.append(gap)
+        else:
+            k = max(1, (tokens[i] if tokens is not None and i < len(tokens) else None) or 1)
+            out.extend([gap / k] * k)
+    return out
 
 
 @dataclass
@@ -66,19 +96,27 @@ def request_metrics(o) -> RequestMetrics | None:
 
     E2EL ends at the last token, or at the output's ``completion_time`` where the engine reports a later
     one (a static batch's end under completion ``batch_end``); outputs without it (kind openai) end at
-    their last token."""
+    their last token. A streamed output (kind openai) has ``chunk_times`` (arrival of each output-carrying
+    chunk, s), ``chunk_tokens`` and ``itl_mode``: it ends at its last chunk and its ITLs are
+    :func:`chunk_itls`. TPOT = (E2EL - TTFT) / (n - 1) for n = len(token_ids) output tokens; TPOT is None
+    and there are no ITLs when n == 1."""
     if o.first_token_time is None or o.finished_time is None or not o.token_ids:
         return None
     ttft = o.first_token_time - o.arrival_time
-    end = o.token_times[-1] if o.token_times else o.finished_time
+    n = len(o.token_ids)
+    chunks = getattr(o, "chunk_times", None)
+    if chunks:
+        end = chunks[-1]
+        itls = chunk_itls(chunks, getattr(o, "chunk_tokens", None), getattr(o, "itl_mode", "chunk"))
+    else:
+        end = o.token_times[-1] if o.token_times else o.finished_time
+        itls = [b - a for a, b in zip(o.token_times, o.token_times[1:])]
     completion = getattr(o, "completion_time", None)
     if completion is not None:
         end = max(end, completion)
     e2el = max(end, o.first_token_time) - o.arrival_time
-    n = len(o.token_ids)
     tpot = (e2el - ttft) / (n - 1) if n > 1 else None
-    itls = [b - a for a, b in zip(o.token_times, o.token_times[1:])]
-    return RequestMetrics(ttft, tpot, e2el, itls)
+    return RequestMetrics(ttft, tpot, e2el, itls if n > 1 else [])
 
 
 def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) -> dict:
@@ -102,10 +140,12 @@ def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) 
     ends = [o.finished_time for o in outputs if o.finished_time is not None]
     starts = [o.arrival_time for o in outputs]
     duration = max(ends) - min(starts) if ends and starts else 0.0
-    ms = [m for m in (request_metrics(o) for o in finished) if m is not None]
+    pairs = [(o, m) for o, m in ((o, request_metrics(o)) for o in finished) if m is not None]
+    ms = [m for _, m in pairs]
+    suspect = [o for o in finished if getattr(o, "suspect", None)]
     out_tokens = sum(len(o.token_ids) for o in finished)
     in_tokens = sum(len(o.prompt_token_ids) for o in finished)
-    good = sum(1 for m in ms if _meets(m, slo or {}))
+    good = sum(1 for o, m in pairs if not getattr(o, "suspect", None) and _meets(m, slo or {}))
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     summary = {
         "duration_s": duration,
@@ -126,6 +166,9 @@ def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) 
         "total_output_tokens": out_tokens,
         "total_input_tokens": in_tokens,
         "reject_reasons": sorted({o.error for o in rejected if o.error})[:10],
+        "num_output_tokens_estimated": sum(1 for o in finished if getattr(o, "output_tokens_estimated", False)),
+        "num_suspect": len(suspect),
+        "suspect_reasons": sorted({str(o.suspect) for o in suspect})[:10],
     }
     summary.update(kv_summary(steps))
     summary["saturation"] = saturation(outputs, steps, duration)

@@ -18,12 +18,15 @@ import pandas as pd  # noqa: E402
 from workbench.metrics import request_metrics  # noqa: E402
 
 REQUEST_COLUMNS = ["request_id", "status", "error", "arrival_s", "first_scheduled_s", "first_token_s", "finish_s",
-                   "prompt_tokens", "output_tokens", "num_preemptions", "ttft_ms", "tpot_ms", "e2el_ms", "token_times_s"]
+                   "prompt_tokens", "output_tokens", "num_preemptions", "ttft_ms", "tpot_ms", "e2el_ms", "token_times_s",
+                   "output_tokens_estimated", "suspect"]
 
 
 def requests_frame(outputs) -> pd.DataFrame:
     """One row per request: times in seconds from the run's start, latencies in ms, and every output
-    token's time (``token_times_s``, space-separated seconds)."""
+    token's time (``token_times_s``, space-separated seconds); kind openai's ``output_tokens_estimated``
+    (the count is one per output chunk) and ``suspect`` (why the stream disagrees with its usage; empty
+    when it agrees, and for the other kinds)."""
     rows = []
     for o in outputs:
         m = request_metrics(o) if o.finish_reason in ("stop", "length") else None
@@ -36,6 +39,8 @@ def requests_frame(outputs) -> pd.DataFrame:
             "ttft_ms": m.ttft * 1e3 if m else None, "tpot_ms": m.tpot * 1e3 if m and m.tpot is not None else None,
             "e2el_ms": m.e2el * 1e3 if m else None,
             "token_times_s": " ".join(f"{t:.4f}" for t in o.token_times),
+            "output_tokens_estimated": bool(getattr(o, "output_tokens_estimated", False)),
+            "suspect": getattr(o, "suspect", None) or "",
         })
     return pd.DataFrame(rows, columns=REQUEST_COLUMNS)
 
@@ -202,6 +207,8 @@ def _table(headers: list[str], rows: list[list]) -> str:
 
 
 def _fmt(v) -> str:
+    if v is None:  # a latency no request defines (TPOT, ITL of one-token requests)
+        return "n/a"
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
     return str(v)

@@ -123,8 +123,14 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     if spec.kind == "openai":  # the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
 
+        tokenizer = None
+        if spec.endpoint == "chat":  # chat prompts are text: the trace's, or its token ids decoded
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return replay_openai(spec.base_url, spec.model or scenario.model, trace, api_key=openai_api_key(spec),
-                             on_output=on_output, engine_name=spec.name, max_concurrency=users), []
+                             on_output=on_output, engine_name=spec.name, max_concurrency=users,
+                             endpoint=spec.endpoint, itl_mode=spec.itl_mode, tokenizer=tokenizer), []
     requests = make_requests(trace, eos)
     engine = build_engine(engine_config(scenario, spec, model_dir, model_cfg, cost_model))
     if spec.kind == "sim":

@@ -14,10 +14,14 @@ from workbench.commands import set_torch_threads
 from workbench.errors import UsageError, usage_errors
 
 
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f} ms"
+
+
 def _line(p: Probe) -> str:
     m = p.metrics
-    return (f"{p.rate:.4g} req/s: TTFT p99 {m['ttft_ms.p99']:.1f} ms, TPOT p99 {m['tpot_ms.p99']:.1f} ms, "
-            f"E2EL p99 {m['e2el_ms.p99']:.1f} ms, output {m['output_throughput']:.4g} tok/s, goodput "
+    return (f"{p.rate:.4g} req/s: TTFT p99 {_ms(m['ttft_ms.p99'])}, TPOT p99 {_ms(m['tpot_ms.p99'])}, "
+            f"E2EL p99 {_ms(m['e2el_ms.p99'])}, output {m['output_throughput']:.4g} tok/s, goodput "
             f"{m['goodput']:.4g} req/s, {m['num_finished']:.0f} finished")
 
 

@@ -19,8 +19,8 @@ Which knobs each kind takes:
 * ``paged`` and ``static`` (the real model): ``device``, ``attention_backend``, ``test_step_delay_s``;
 * ``sim``: ``policy``, ``cost_model``, ``swap_bandwidth_bytes_per_s`` and the GPU what-if fields
   (``model``, ``hardware``, ``tp``, ``weight_dtype``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ...);
-* ``openai``: ``base_url``, ``api_key`` and ``model`` (the served model's id); its engine knobs are the
-  server's.
+* ``openai``: ``base_url``, ``api_key``, ``model`` (the served model's id), ``endpoint`` (``completions`` or
+  ``chat``) and ``itl_mode`` (``chunk`` or ``token``); its engine knobs are the server's.
 
 A knob written in the scenario for an engine that cannot use it (``reservation`` on a paged engine,
 ``max_num_batched_tokens`` on a static one or on a sim engine with ``policy: static``) is an error naming
@@ -286,12 +286,21 @@ class OpenAIEngineSpec(EngineSpecBase):
         api_key: sent as ``Authorization: Bearer <api_key>``; ``env:NAME`` reads ``$NAME`` when the run
             starts. Written masked to results.json.
         model: the model id to request (default: the scenario's model).
+        endpoint: ``completions`` (default: ``/completions`` with the trace's prompt token ids) or ``chat``
+            (``/chat/completions``, one user message: the trace's prompt text, else its token ids decoded
+            with the scenario model's tokenizer; the server's chat template makes prompts longer than the
+            trace's).
+        itl_mode: ``chunk`` (default, as ``vllm bench serve``: one inter-token latency per output-carrying
+            SSE chunk after the first) or ``token`` (a chunk of k tokens contributes k gaps of its gap / k;
+            k from the chunk's token_ids, else 1); see ``workbench.metrics.chunk_itls``.
     """
 
     kind: Literal["openai"]
     base_url: str | None = None
     api_key: SecretStr | None = None
     model: str | None = None
+    endpoint: Literal["completions", "chat"] = "completions"
+    itl_mode: Literal["chunk", "token"] = "chunk"
 
     @model_validator(mode="after")
     def _needs_base_url(self) -> "OpenAIEngineSpec":
