@@ -119,3 +119,98 @@ def test_plan_fills_placeholders_and_names_unknown_ones(tmp_path):
         plan_for("eng", LaunchSpec(command=["x", "{nope}"]), "http://127.0.0.1:1/v1", tmp_path)
     with pytest.raises(ValueError):
         LaunchSpec(command="")
+
+
+# ----------------------------------------------------------------------------------- through the runner
+
+TRACE = {"format": "synthetic", "synthetic": {"num_requests": 6, "request_rate": 30.0, "lengths": "uniform",
+                                              "input_range": [8, 40], "output_range": [2, 8]}}
+
+
+def launched_engine(model_dir, port: int, **kw) -> dict:
+    return {"name": "served", "kind": "openai", "base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny",
+            "launch": {"command": ["{python}", "-m", "workbench", "serve", "--model", str(model_dir), "--port",
+                                   "{port}", "--served-model-name", "tiny", "--kv-cache-tokens", "2048",
+                                   "--max-model-len", "256"], "startup_timeout_s": 120, **kw}}
+
+
+def write_scenario(tmp_path, model_dir, engines, trace=TRACE):
+    import yaml
+
+    p = tmp_path / "sc.yaml"
+    p.write_text(yaml.safe_dump({"name": "launch", "model": str(model_dir), "seed": 1, "trace": trace,
+                                 "engines": engines}))
+    return p
+
+
+def server_pids(port: int) -> list[int]:
+    """Processes whose command line names ``--port <port>`` (the launched server, if still there)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"--port" in cmd and str(port).encode() in cmd and b"serve" in cmd and alive(int(d)):
+                out.append(int(d))
+    return out
+
+
+def test_a_scenario_launches_its_server_replays_and_stops_it(tiny_llama_dir, tmp_path):
+    from workbench.runner import run_scenario
+    from workbench.scenario import load_scenario
+
+    port = free_port()
+    res = run_scenario(load_scenario(write_scenario(tmp_path, tiny_llama_dir, [launched_engine(tiny_llama_dir, port)])),
+                       tmp_path / "out")
+    assert res["engines"]["served"]["summary"]["num_finished"] == 6
+    [launch] = res["launches"]
+    assert launch["engine"] == "served" and f"--port {port}" in launch["command"] and launch["ready_s"] > 0
+    assert res["engines"]["served"]["runtime"]["server"]["log_file"].endswith("served.server.log")
+    assert (tmp_path / "out" / "served.server.log").exists()
+    assert server_pids(port) == []
+
+
+def test_the_server_is_stopped_when_the_replay_fails(tiny_llama_dir, tmp_path):
+    from workbench.openai_replay import EndpointError
+    from workbench.runner import run_scenario
+    from workbench.scenario import load_scenario
+
+    port = free_port()
+    eng = launched_engine(tiny_llama_dir, port)
+    eng["model"] = "not-served"  # the endpoint check fails once the server is up
+    with pytest.raises(EndpointError):
+        run_scenario(load_scenario(write_scenario(tmp_path, tiny_llama_dir, [eng])), tmp_path / "out")
+    assert server_pids(port) == []
+
+
+def test_a_server_that_cannot_start_names_the_engine_and_its_last_log_line(tiny_llama_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    port = free_port()
+    eng = launched_engine(tiny_llama_dir, port)
+    eng["launch"]["command"] = ["{python}", "-m", "workbench", "serve", "--model", str(tmp_path / "no-such-model"),
+                                "--port", "{port}"]
+    path = write_scenario(tmp_path, tiny_llama_dir, [eng])
+    r = CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / "out")])
+    assert r.exit_code != 0
+    lines = [ln for ln in r.output.splitlines() if "engine served" in ln]
+    assert lines and "exited with code" in lines[0] and "Traceback" not in r.output, r.output
+    assert server_pids(port) == []
+
+
+def test_a_sweep_over_users_launches_the_server_once(tiny_llama_dir, tmp_path):
+    from workbench.sweep import run_sweep
+
+    port = free_port()
+    path = write_scenario(tmp_path, tiny_llama_dir, [launched_engine(tiny_llama_dir, port)])
+    run_sweep(path, ["trace.max_concurrency=1,3"], tmp_path / "sweep", point_reports=False)
+    import json
+
+    launches = [json.loads((tmp_path / "sweep" / p / "results.json").read_text()).get("launches", [])
+                for p in ("p000", "p001")]
+    assert len(launches[0]) == 1 and launches[1] == []  # the second point reused the first point's server
+    assert server_pids(port) == []

@@ -17,6 +17,7 @@ one-line message names the engine and the last line of its log.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -26,11 +27,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbench.errors import UsageError
+
 POLL_S = 0.25  # seconds between readiness probes
 
 
-class LaunchError(RuntimeError):
-    """A launched server could not be started or did not become ready (one-line message)."""
+class LaunchError(UsageError):
+    """A launched server could not be started or did not become ready (one-line message; the CLI prints it as
+    ``error: ...`` and exits 2: the launch command is the user's)."""
 
 
 @dataclass
@@ -64,11 +68,13 @@ class LaunchPlan:
 def template_vars(extra: dict | None = None) -> dict[str, str]:
     """Variables a ``launch`` command, environment or URL may use: ``{python}`` (this interpreter), ``{cache}``
     (``$WORKBENCH_CACHE``), ``{peers}`` (``$WORKBENCH_CACHE/peers``, where the peer install scripts build),
+    ``{home}`` (the user's home folder),
     ``{model_dir:NAME}`` is resolved separately (see :func:`render`), plus ``extra`` (e.g. ``port``,
     ``max_concurrency``)."""
     from engines.real.model_store import cache_dir
 
-    out = {"python": sys.executable, "cache": str(cache_dir()), "peers": str(cache_dir() / "peers")}
+    out = {"python": sys.executable, "cache": str(cache_dir()), "peers": str(cache_dir() / "peers"),
+           "home": str(Path.home())}
     out.update({k: str(v) for k, v in (extra or {}).items()})
     return out
 
@@ -277,3 +283,48 @@ def plan_for(engine: str, launch, base_url: str, out_dir: Path, max_concurrency:
         base_url.rstrip("/") + "/models"
     return LaunchPlan(engine, argv, env, ready, launch.startup_timeout_s, launch.stop_timeout_s,
                       launch.log_path(engine, out_dir))
+
+
+_HELD: LaunchPool | None = None  # the pool a sweep keeps across its points (see keep_servers)
+
+
+@contextlib.contextmanager
+def keep_servers():
+    """Within this block, every run in this process shares one ``LaunchPool`` (a sweep's real points, run one by
+    one in the parent process, launch each server once while consecutive points need the same one); its server
+    is stopped when the block ends."""
+    global _HELD
+    outer, _HELD = _HELD, LaunchPool()
+    try:
+        yield _HELD
+    finally:
+        _HELD.close()
+        _HELD = outer
+
+
+@contextlib.contextmanager
+def held_pool():
+    """The pool of :func:`keep_servers` when one is held (left running at the end), else a new one that is
+    closed at the end of the block. Its ``launches`` lists this block's starts only."""
+    if _HELD is not None:
+        yield _View(_HELD, len(_HELD.launches))
+        return
+    pool = LaunchPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+class _View:
+    """A held pool seen by one run: ``ensure`` goes to the held pool, ``launches`` are the run's own."""
+
+    def __init__(self, pool: LaunchPool, mark: int):
+        self._pool, self._mark = pool, mark
+
+    def ensure(self, plan: LaunchPlan) -> LaunchedServer:
+        return self._pool.ensure(plan)
+
+    @property
+    def launches(self) -> list[dict]:
+        return self._pool.launches[self._mark:]

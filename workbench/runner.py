@@ -111,15 +111,38 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
 
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
                on_output: Callable | None = None, runtime: dict | None = None, cost_model: CostModel | None = None,
-               probe: bool = False):
+               probe: bool = False, launch_pool=None, out_dir: Path | None = None):
     """Replay the trace on one engine; returns ``(outputs, steps)``. For a real engine, ``runtime`` (if
     given) gets where it ran: ``device`` (e.g. ``cpu``, ``cuda:0``), ``device_name`` and ``attention``
     (the kernels picked: ``cpp``, ``torch`` or ``triton``), and with ``probe`` the machine probes timed just
     before and just after the replay: ``probe: {gemm_gflops, steps}`` (``engines.sim.profiler.gemm_probe``,
     ``speed_probe``).
     ``cost_model``: a sim engine's measured cost model (default: :func:`load_cost_model`).
-    ``trace.max_concurrency`` (closed-loop users) applies to every kind."""
+    ``trace.max_concurrency`` (closed-loop users) applies to every kind.
+    A kind openai engine with a ``launch`` block has its server started first (``workbench.launch``): in
+    ``launch_pool`` when given (which keeps it for the next engine that needs the same server), else for this
+    replay only; its log goes under ``out_dir`` (default: the current folder), and ``runtime["server"]`` gets
+    the command and the seconds it took to be ready.
+
+    Raises:
+        workbench.launch.LaunchError: a launched server exits or is not ready in time (one line)."""
     users = scenario.trace.max_concurrency
+    if spec.kind == "openai" and spec.launch is not None:
+        from workbench.launch import LaunchPool, plan_for
+
+        plan = plan_for(spec.name, spec.launch, spec.base_url, out_dir or Path.cwd(), users)
+        pool = launch_pool or LaunchPool()
+        try:
+            server = pool.ensure(plan)
+            if runtime is not None:
+                runtime["server"] = {"command": plan.argv, "env": plan.env, "ready_s": server.started_s,
+                                     "log_file": str(plan.log_file)}
+            unlaunched = spec.model_copy(update={"launch": None})
+            return run_engine(scenario, unlaunched, model_dir, model_cfg, trace, eos, on_output, runtime,
+                              cost_model, probe)
+        finally:
+            if launch_pool is None:
+                pool.close()
     if spec.kind == "openai":  # the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
 
@@ -330,7 +353,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         cb = progress(label, spec.kind, len(trace)) if progress else None
         runtime: dict = {}
         outs, steps = run_engine(sc, spec, model_dir, model_cfg, trace, eos, cb, runtime, cost_model,
-                                 probe=spec.kind in ("paged", "static"))
+                                 probe=spec.kind in ("paged", "static"), launch_pool=pool, out_dir=out_dir)
         summary = summarize(outs, steps, len(trace), slo)
         if spec.policy_name == "paged":  # the trace's reuse under an unlimited cache
             ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], spec.block_size)
@@ -340,9 +363,14 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         per_engine[spec.name].append((summary, outs, steps, runtime))
 
     reals = [spec for spec in scenario.engines if spec.kind != "sim"]
-    for rep in range(repeat):  # real engines first, interleaved, then the simulator against their probes
-        for spec in reals:
-            run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 else ""))
+    from workbench.launch import held_pool
+
+    with held_pool() as pool:  # launched servers: one at a time, stopped when the real engines are done
+        for rep in range(repeat):  # real engines first, interleaved, then the simulator against their probes
+            for spec in reals:
+                run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 else ""))
+        if pool.launches:
+            results["launches"] = list(pool.launches)
     def probes_of(names):
         return [r[3]["probe"] for n in names for r in per_engine[n] if "probe" in r[3]]
 

@@ -8,7 +8,11 @@ overrides of the other engines (``engines.OTHER.*``) are dropped there, so the p
 are run once: ``--set engine=sim-paged,paged --set trace.request_rate=1,2,4
 --set engines.sim-paged.block_size=8,16,32,64`` is 12 simulator points and 3 real ones.
 
-Scheduling: a point is *real* if any of its engines is a real engine (kind paged or static). Real points
+Launched servers (a ``kind: openai`` engine's ``launch:`` block): the real points share one server at a time
+(``workbench.launch.keep_servers``), so a server is started once for consecutive points that need the same
+command; put ``engine=...`` first among the axes to run each engine's points one after another.
+
+Scheduling: a point is *real* if any of its engines is not a sim engine (kind paged, static or openai). Real points
 never run concurrently with each other or with anything else on one machine (they would disturb each
 other's wall-clock timings): the local executor runs the simulator points in ``--jobs`` worker processes
 first, then the real points one by one in the parent process; the Ray executor gives each real point a
@@ -235,9 +239,12 @@ def run_local(scenario_path: str, points: list[Point], out: Path, jobs: int, plo
                     p = futs[f]
                     results[p.id] = f.result()
                     _log(f"done {_describe(p)}")
-    for p in reals:  # serially, with nothing else running
-        results[p.id] = run_point(scenario_path, p.overrides, p.engine, str(out / p.id), None, plots)
-        _log(f"done {_describe(p)}")
+    from workbench.launch import keep_servers
+
+    with keep_servers():  # a launched server stays up while consecutive points need the same one
+        for p in reals:  # serially, with nothing else running
+            results[p.id] = run_point(scenario_path, p.overrides, p.engine, str(out / p.id), None, plots)
+            _log(f"done {_describe(p)}")
     return results
 
 

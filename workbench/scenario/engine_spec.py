@@ -20,7 +20,8 @@ Which knobs each kind takes:
 * ``sim``: ``policy``, ``cost_model``, ``swap_bandwidth_bytes_per_s`` and the GPU what-if fields
   (``model``, ``hardware``, ``tp``, ``weight_dtype``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ...);
 * ``openai``: ``base_url``, ``api_key``, ``model`` (the served model's id), ``endpoint`` (``completions`` or
-  ``chat``) and ``itl_mode`` (``chunk`` or ``token``); its engine knobs are the server's.
+  ``chat``), ``itl_mode`` (``chunk`` or ``token``) and ``launch`` (a server the runner starts and stops); its
+  engine knobs are the server's.
 
 A knob written in the scenario for an engine that cannot use it (``reservation`` on a paged engine,
 ``max_num_batched_tokens`` on a static one or on a sim engine with ``policy: static``) is an error naming
@@ -36,6 +37,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 from pydantic import Field, SecretStr, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from workbench.scenario.common import BUILTIN_PREFIX, SpecModel, field_error
+from workbench.scenario.launch_spec import LaunchSpec
 
 ENGINE_KINDS = ("paged", "static", "sim", "openai")
 REAL_KINDS = ("paged", "static")  # the real model under the policy of that name
@@ -293,6 +295,8 @@ class OpenAIEngineSpec(EngineSpecBase):
         itl_mode: ``chunk`` (default, as ``vllm bench serve``: one inter-token latency per output-carrying
             SSE chunk after the first) or ``token`` (a chunk of k tokens contributes k gaps of its gap / k;
             k from the chunk's token_ids, else 1); see ``workbench.metrics.chunk_itls``.
+        launch: a server the runner starts before this engine's replay and stops after it
+            (:class:`workbench.scenario.launch_spec.LaunchSpec`; None: the server is already running).
     """
 
     kind: Literal["openai"]
@@ -301,6 +305,7 @@ class OpenAIEngineSpec(EngineSpecBase):
     model: str | None = None
     endpoint: Literal["completions", "chat"] = "completions"
     itl_mode: Literal["chunk", "token"] = "chunk"
+    launch: LaunchSpec | None = None
 
     @model_validator(mode="after")
     def _needs_base_url(self) -> "OpenAIEngineSpec":

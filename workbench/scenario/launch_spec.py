@@ -17,7 +17,7 @@ class LaunchSpec(SpecModel):
     Attributes:
         command: the command line, a list of arguments or one string (split as a shell would, without a
             shell). Placeholders: ``{python}`` (the workbench's interpreter), ``{cache}`` (``$WORKBENCH_CACHE``),
-            ``{peers}`` (``$WORKBENCH_CACHE/peers``, where ``benchmarks/peers/`` scripts build), ``{port}`` (the
+            ``{peers}`` (``$WORKBENCH_CACHE/peers``, where ``benchmarks/peers/`` scripts build), ``{home}``, ``{port}`` (the
             port of ``base_url``), ``{max_concurrency}`` (the trace's closed-loop users, or 0), and
             ``{model_dir:NAME}`` (the local folder of model NAME); ``{{`` and ``}}`` are literal braces.
         env: environment variables added for the server (values take the same placeholders).
