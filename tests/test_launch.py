@@ -214,3 +214,16 @@ def test_a_sweep_over_users_launches_the_server_once(tiny_llama_dir, tmp_path):
                 for p in ("p000", "p001")]
     assert len(launches[0]) == 1 and launches[1] == []  # the second point reused the first point's server
     assert server_pids(port) == []
+
+
+def test_reuse_false_gives_every_point_a_fresh_server(tiny_llama_dir, tmp_path):
+    import json
+
+    from workbench.sweep import run_sweep
+
+    port = free_port()
+    path = write_scenario(tmp_path, tiny_llama_dir, [launched_engine(tiny_llama_dir, port, reuse=False)])
+    run_sweep(path, ["trace.max_concurrency=1,3"], tmp_path / "sweep", point_reports=False)
+    launches = [json.loads((tmp_path / "sweep" / p / "results.json").read_text())["launches"] for p in ("p000", "p001")]
+    assert [len(x) for x in launches] == [1, 1]
+    assert server_pids(port) == []

