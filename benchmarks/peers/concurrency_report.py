@@ -3,7 +3,11 @@
 (``concurrency.png``: output throughput, TTFT p50 and p99, ITL p99 and E2EL p99 against users, one line per
 server).
 
-    python benchmarks/peers/concurrency_report.py reports/runs/peers-concurrency [--out reports/peers]
+    python benchmarks/peers/concurrency_report.py SWEEP_DIR [SWEEP_DIR ...] [--out reports/peers]
+
+With several sweep folders, a later folder's rows replace an earlier one's for the same server and user count
+(a re-run of some servers). The prose of the report (verdict, commands, versions) is kept from an existing
+``concurrency.md`` above its ``<!-- tables -->`` marker; the tables below it are rewritten.
 
 Verdict rule (the write-up's claim is that a llama.cpp server's latency climbs steeply at about 5 users while
 vLLM holds 50): for each server, the first user count at which TTFT p99 or ITL p99 passes twice its
@@ -24,10 +28,13 @@ METRICS = [("output_throughput", "output tok/s"), ("ttft_ms_p50", "TTFT p50 (ms)
 ORDER = ["wb-paged", "wb-static", "llama-1slot", "llama-nslot", "vllm", "sim-paged", "sim-static"]
 
 
-def load(sweep: Path) -> pd.DataFrame:
-    df = pd.read_csv(sweep / "sweep.csv")
-    users = "trace.max_concurrency" if "trace.max_concurrency" in df else "max_concurrency"
-    df = df.rename(columns={users: "users"})
+def load(sweeps: list[Path]) -> pd.DataFrame:
+    frames = []
+    for i, sweep in enumerate(sweeps):
+        df = pd.read_csv(sweep / "sweep.csv")
+        users = "trace.max_concurrency" if "trace.max_concurrency" in df else "max_concurrency"
+        frames.append(df.rename(columns={users: "users"}).assign(_order=i, _sweep=str(sweep)))
+    df = pd.concat(frames).sort_values("_order").drop_duplicates(["engine", "users"], keep="last")
     return df.sort_values(["engine", "users"])
 
 
@@ -72,16 +79,22 @@ def fmt(v) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("sweep", type=Path)
+    ap.add_argument("sweeps", type=Path, nargs="+")
     ap.add_argument("--out", type=Path, default=Path("reports/peers"))
     a = ap.parse_args()
-    df = load(a.sweep)
+    df = load(a.sweeps)
     a.out.mkdir(parents=True, exist_ok=True)
     plot(df, a.out / "concurrency.png")
-    any_point = json.loads(next(a.sweep.glob("p*/results.json")).read_text())
+    any_point = json.loads(next(a.sweeps[0].glob("p*/results.json")).read_text())
     machine = any_point.get("machine", {})
-    lines = ["# Users against real servers: does llama.cpp fall over at about 5 users while vLLM holds 50?", ""]
-    lines += [f"Machine: {machine.get('cpu_model', machine)}; 2 cores; float32 SmolLM2-135M-Instruct everywhere.", ""]
+    md = a.out / "concurrency.md"
+    marker = "<!-- tables -->"
+    head = md.read_text().split(marker)[0].rstrip() + "\n\n" if md.exists() and marker in md.read_text() else \
+        "# Users against real servers: does llama.cpp fall over at about 5 users while vLLM holds 50?\n\n"
+    lines = [head + marker, ""]
+    lines += [f"Machine: {machine.get('processor')}, {machine.get('cpus')} cores, torch CPU capability "
+              f"{machine.get('cpu_capability')}; float32 SmolLM2-135M-Instruct everywhere. Rows from: "
+              + ", ".join(sorted({f"`{p}`" for p in df._sweep})) + ".", ""]
     lines += ["![throughput and latency against users](concurrency.png)", ""]
     users = sorted(df.users.unique())
     for col, label in METRICS:
@@ -101,8 +114,8 @@ def main() -> None:
         lines.append(f"| {name} | {at if at is not None else '-'} | {what} | "
                      f"{fmt(t50.iloc[0]) if len(t50) else 'n/a'} | {fmt(g.output_throughput.max())} |")
     lines.append("")
-    (a.out / "concurrency.md").write_text("\n".join(lines) + "\n")
-    print(a.out / "concurrency.md")
+    md.write_text("\n".join(lines) + "\n")
+    print(md)
 
 
 if __name__ == "__main__":
