@@ -271,6 +271,7 @@ COMMITTED_HASHES = {
     "scenarios/ci-sim.yaml": "48cbf7ef2d9911f3",
     "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",
     "scenarios/paper/pagedattention_opt13b.yaml": "944a0520980a97f0",
+    "scenarios/peers/concurrency.yaml": "60e33cb6be33e5f8",
     "scenarios/prefix-sharing.yaml": "53c1904cf2491917",
     "scenarios/quickstart.yaml": "b17ac7f8aafcecb1",
 }
