@@ -38,7 +38,7 @@ def main() -> None:
     sp = SamplingParams(max_tokens=1, temperature=0)
     seqs = [ScheduledSeq(str(i), [100], ctx - 1, list(range(i * nb, (i + 1) * nb)), True, sp) for i in range(b)]
     out = SchedulerOutput(seqs)
-    ids, pos, meta, *_ = ex._prepare(seqs)
+    ids, pos, meta, _ = ex._prepare(seqs)
     x = torch.randn(b, m.cfg.hidden_size)
     inter = m.cfg.intermediate_size
 

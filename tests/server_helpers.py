@@ -8,6 +8,21 @@ import threading
 import time
 
 
+# a ChatML template for the tiny test models (their tokenizer has <|im_start|> / <|im_end|>)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_chat_template(model_dir, dest):
+    """A copy of the model folder ``model_dir`` at ``dest`` with ``CHATML`` as its chat template; returns ``dest``."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copytree(model_dir, dest)
+    (Path(dest) / "chat_template.jinja").write_text(CHATML)
+    return Path(dest)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -83,6 +83,20 @@ def test_a_server_never_ready_times_out_and_its_group_is_killed(tmp_path):
     assert not alive(child)
 
 
+def test_the_workers_of_a_server_that_exited_are_killed_too(tmp_path):
+    """The leader exits (and is reaped while the runner waits for readiness) but leaves a worker behind."""
+    pid_file = tmp_path / "worker.pid"
+    code = (f"import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('config error', flush=True); sys.exit(1)")
+    with pytest.raises(LaunchError, match="exited with code 1"):
+        LaunchedServer(plan(tmp_path, [sys.executable, "-c", code], f"http://127.0.0.1:{free_port()}/health")).start()
+    worker = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while alive(worker) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker)
+
+
 def test_something_already_on_the_port_is_refused(tiny_llama_dir, tmp_path):
     port = free_port()
     ready = f"http://127.0.0.1:{port}/v1/models"

@@ -3,7 +3,6 @@
 import asyncio
 import json
 import random
-import shutil
 import threading
 import time
 
@@ -12,12 +11,10 @@ import openai
 import pytest
 
 from engines import LLM, SamplingParams
-from server_helpers import running_server
+from server_helpers import running_server, with_chat_template
 from workbench.serve.app import build_app
 from workbench.serve.prom import parse_metrics
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 KNOBS = dict(kv_cache_tokens=32768, max_model_len=256)
 WORDS = "the quick brown fox jumps over lazy dog paged attention blocks continuous batching forward pass".split()
 
@@ -29,10 +26,7 @@ def prompts(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_llama_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-chat") / "m"
-    shutil.copytree(tiny_llama_dir, d)
-    (d / "chat_template.jinja").write_text(CHATML)
-    return d
+    return with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tiny-chat") / "m")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ transformers' float32 log-softmax on the same weights (a tiny random Llama; Smol
 
 import json
 import math
-import shutil
 
 import httpx
 import openai
@@ -12,20 +11,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines import LLM
-from server_helpers import running_server
+from server_helpers import CHATML, running_server, with_chat_template
 from workbench.serve.app import build_app
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 KNOBS = dict(kv_cache_tokens=8192, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_llama_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-lp") / "m"
-    shutil.copytree(tiny_llama_dir, d)
-    (d / "chat_template.jinja").write_text(CHATML)
-    return d
+    return with_chat_template(tiny_llama_dir, tmp_path_factory.mktemp("tiny-lp") / "m")
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["prefix-caching", "no-prefix-caching"])
@@ -67,8 +61,7 @@ def test_echo_with_logprobs_as_lm_eval_asks(server, ref, tok):
         assert r.status_code == 200, r.text
         for choice, prompt in zip(sorted(r.json()["choices"], key=lambda c: c["index"]), [PROMPT, PROMPT[:9]]):
             lp = choice["logprobs"]
-            gen = choice["token_ids"] if "token_ids" in choice else None
-            assert gen is None
+            assert "token_ids" not in choice  # not asked for
             assert len(lp["tokens"]) == len(prompt) + 1
             assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
             full = ref(prompt)

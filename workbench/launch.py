@@ -167,27 +167,16 @@ class LaunchedServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        try:
-            pgid = os.getpgid(proc.pid)
-        except ProcessLookupError:
-            pgid = None
+        pgid = proc.pid  # start_new_session: the server leads its own group (also once it has exited)
         for sig, wait in ((signal.SIGTERM, self.plan.stop_timeout_s), (signal.SIGKILL, 5.0)):
-            if pgid is not None:
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    pass
             try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            if pgid is None or not _group_alive(pgid):
-                break
-            # the leader is gone, its workers may not be: wait for them, then the next signal
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break  # nothing of the group is left
             end = time.perf_counter() + wait
-            while _group_alive(pgid) and time.perf_counter() < end:
+            while (proc.poll() is None or _group_alive(pgid)) and time.perf_counter() < end:
                 time.sleep(0.05)
-            if not _group_alive(pgid):
+            if proc.poll() is not None and not _group_alive(pgid):
                 break
 
     @property
@@ -248,14 +237,9 @@ class LaunchPool:
         server = LaunchedServer(plan)
         server.start()
         self.current = server
-        self.record(server)
+        self.launches.append({"engine": plan.engine, "command": shlex.join(plan.argv), "ready_s": server.started_s,
+                              "log_file": str(plan.log_file)})
         return server
-
-    def record(self, server: LaunchedServer) -> None:
-        """Add a start to ``launches`` (also one made outside this pool, e.g. a server that is not reused)."""
-        p = server.plan
-        self.launches.append({"engine": p.engine, "command": shlex.join(p.argv), "ready_s": server.started_s,
-                              "log_file": str(p.log_file)})
 
     def close(self) -> None:
         cur, self.current = self.current, None
@@ -310,32 +294,12 @@ def keep_servers():
 @contextlib.contextmanager
 def held_pool():
     """The pool of :func:`keep_servers` when one is held (left running at the end), else a new one that is
-    closed at the end of the block. Its ``launches`` lists this block's starts only."""
+    closed at the end of the block."""
     if _HELD is not None:
-        yield _View(_HELD, len(_HELD.launches))
+        yield _HELD
         return
     pool = LaunchPool()
     try:
         yield pool
     finally:
         pool.close()
-
-
-class _View:
-    """A held pool seen by one run: ``ensure`` goes to the held pool, ``launches`` are the run's own."""
-
-    def __init__(self, pool: LaunchPool, mark: int):
-        self._pool, self._mark = pool, mark
-
-    def ensure(self, plan: LaunchPlan) -> LaunchedServer:
-        return self._pool.ensure(plan)
-
-    def record(self, server: LaunchedServer) -> None:
-        self._pool.record(server)
-
-    def close(self) -> None:
-        self._pool.close()
-
-    @property
-    def launches(self) -> list[dict]:
-        return self._pool.launches[self._mark:]

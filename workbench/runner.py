@@ -131,15 +131,12 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
         from workbench.launch import LaunchPool, plan_for
 
         plan = plan_for(spec.name, spec.launch, spec.base_url, out_dir or Path.cwd(), users)
-        record = launch_pool
-        if launch_pool is not None and not spec.launch.reuse:
-            launch_pool.close()  # whatever it kept: one server at a time
-            launch_pool = None
-        pool = launch_pool or LaunchPool()
+        pool = launch_pool if launch_pool is not None else LaunchPool()
+        fresh = launch_pool is None or not spec.launch.reuse
+        if fresh:
+            pool.close()  # whatever it kept: one server at a time, nothing cached carries over
         try:
             server = pool.ensure(plan)
-            if record is not None and pool is not record:
-                record.record(server)
             if runtime is not None:
                 runtime["server"] = {"command": plan.argv, "env": plan.env, "ready_s": server.started_s,
                                      "log_file": str(plan.log_file)}
@@ -147,7 +144,7 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
             return run_engine(scenario, unlaunched, model_dir, model_cfg, trace, eos, on_output, runtime,
                               cost_model, probe)
         finally:
-            if launch_pool is None:
+            if fresh:
                 pool.close()
     if spec.kind == "openai":  # the outputs carry .server_metrics; no engine steps client-side
         from workbench.openai_replay import replay_openai
@@ -372,11 +369,12 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     from workbench.launch import held_pool
 
     with held_pool() as pool:  # launched servers: one at a time, stopped when the real engines are done
+        mark = len(pool.launches)  # a sweep's pool lists its earlier points' launches too
         for rep in range(repeat):  # real engines first, interleaved, then the simulator against their probes
             for spec in reals:
                 run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 else ""))
-        if pool.launches:
-            results["launches"] = list(pool.launches)
+        if pool.launches[mark:]:
+            results["launches"] = pool.launches[mark:]
     def probes_of(names):
         return [r[3]["probe"] for n in names for r in per_engine[n] if "probe" in r[3]]
 

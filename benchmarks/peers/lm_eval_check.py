@@ -32,7 +32,6 @@ import sys
 import sysconfig
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -183,45 +182,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _workbench() -> str:
-    exe = Path(sys.executable).parent / "workbench"
-    return str(exe) if exe.exists() else (shutil.which("workbench") or "workbench")
-
-
 @contextlib.contextmanager
 def served(model_dir: Path, name: str, log_path: Path, threads: int = 1, timeout: float = 300):
-    """``workbench serve`` (float32, CPU, paged engine) in a subprocess on a free port; yields the base
-    URL (``http://127.0.0.1:PORT``) once ``/health`` answers, stops the server afterwards."""
+    """``workbench serve`` (float32, CPU, paged engine) in its own process group on a free port
+    (``workbench.launch``); yields the base URL (``http://127.0.0.1:PORT``) once ``/health`` answers, stops the
+    server afterwards. Raises ``workbench.launch.LaunchError`` (with the log's last line) when it cannot start."""
+    from workbench.launch import LaunchedServer, LaunchPlan
+
     port = free_port()
-    cmd = [_workbench(), "serve", "--model", str(model_dir), "--served-model-name", name, "--port", str(port),
-           "--dtype", "float32", "--device", "cpu"]
-    env = {**os.environ, "WORKBENCH_THREADS": str(threads), **OFFLINE_ENV}
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise LmEvalError(f"`{' '.join(cmd)}` exited with {proc.returncode}:\n{_tail(log_path.read_text())}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise LmEvalError(f"workbench serve did not answer /health within {timeout:.0f} s:\n"
-                                  f"{_tail(log_path.read_text())}")
-            time.sleep(0.5)
+    cmd = [sys.executable, "-m", "workbench", "serve", "--model", str(model_dir), "--served-model-name", name,
+           "--port", str(port), "--dtype", "float32", "--device", "cpu"]
+    plan = LaunchPlan("workbench-serve", cmd, {"WORKBENCH_THREADS": str(threads), **OFFLINE_ENV}, url + "/health",
+                      timeout, 20.0, log_path)
+    with LaunchedServer(plan):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def lm_eval_env(work: Path, threads: int = 1) -> dict[str, str]:

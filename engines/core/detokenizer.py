@@ -61,10 +61,9 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         before = len(self.text)
         self.text += delta
-        # a match can only newly end inside the delta; the earliest match in the text wins
-        if self.num_tokens < self.min_tokens:
-            return self._emit(len(self.text) - self._holdback), None
-        hits = [(at, s) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        # a match can only newly end inside the delta; the earliest match in the text wins; none before min_tokens
+        stops = self.stop if self.num_tokens >= self.min_tokens else ()
+        hits = [(at, s) for s in stops if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if hits:
             at, s = min(hits)
             self.text = self.text[: at + len(s) if self.include_stop_str else at]

@@ -56,7 +56,7 @@ class ModelExecutor:
         if out.is_empty:
             return StepResult({}, time.perf_counter() - t0, swap_time)
         seqs = sorted(out.seqs, key=lambda s: not s.is_decode)  # decode rows first
-        input_ids, positions, meta, last_idx, first_idx = self._prepare(seqs)
+        input_ids, positions, meta, last_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
         sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
         sampled, logprobs, beam_cands, tok_lps = {}, {}, {}, {}
@@ -91,7 +91,7 @@ class ModelExecutor:
                                      [params[i].logprobs or 0 for i in want])
                 logprobs = {ids[i]: lp.logprob for i, lp in zip(want, lps)}
                 tok_lps = {ids[i]: lp for i, lp in zip(want, lps) if params[i].logprobs is not None}
-        prompt_lps = self._prompt_logprobs(seqs, hidden, first_idx)
+        prompt_lps = self._prompt_logprobs(seqs, hidden, last_idx)
         if self.step_delay_s:
             _busy_wait(self.step_delay_s)
         if self.device.type == "cuda":  # a step that samples nothing has not waited for the GPU yet
@@ -101,7 +101,7 @@ class ModelExecutor:
 
     LOGITS_CHUNK = 512  # prompt positions whose logits are computed at once ([chunk, vocab] float32)
 
-    def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, first_idx: dict[str, int]) -> dict:
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, last_idx: dict[str, int]) -> dict:
         """``{request id: {position: TokenLogprob}}`` for the prefill chunks of requests that ask for prompt
         log-probabilities: the logits at position ``q`` score the prompt's token ``q + 1``."""
         out: dict[str, dict] = {}
@@ -109,15 +109,14 @@ class ModelExecutor:
             p, req = s.sampling_params, s.request
             if p.prompt_logprobs is None or req is None or s.is_decode:
                 continue
-            n_prompt = req.num_prompt_tokens
-            positions = [q for q in range(s.start_pos, s.start_pos + s.num_tokens) if q + 1 < n_prompt]
+            first_row = last_idx[s.request_id] - s.num_tokens + 1  # the chunk's rows in ``hidden`` are contiguous
+            end = min(s.start_pos + s.num_tokens, req.num_prompt_tokens - 1)  # positions with a next prompt token
             got: dict = {}
-            for c in range(0, len(positions), self.LOGITS_CHUNK):
-                part = positions[c : c + self.LOGITS_CHUNK]
-                rows = torch.arange(part[0], part[-1] + 1, device=self.device) - s.start_pos + first_idx[s.request_id]
-                logits = self.model.compute_logits(hidden[rows])
-                targets = [req.prompt_token_ids[q + 1] for q in part]
-                for q, lp in zip(part, token_logprobs(logits, targets, [p.prompt_logprobs] * len(part))):
+            for lo in range(s.start_pos, end, self.LOGITS_CHUNK):
+                hi = min(lo + self.LOGITS_CHUNK, end)
+                logits = self.model.compute_logits(hidden[first_row + lo - s.start_pos : first_row + hi - s.start_pos])
+                targets = req.prompt_token_ids[lo + 1 : hi + 1]
+                for q, lp in zip(range(lo, hi), token_logprobs(logits, targets, [p.prompt_logprobs] * (hi - lo))):
                     got[q + 1] = lp
             if got:
                 out[s.request_id] = got
@@ -139,7 +138,6 @@ class ModelExecutor:
         bs = self.kv.block_size
         ids, pos, slots = [], [], []
         last_idx: dict[str, int] = {}
-        first_idx: dict[str, int] = {}
         dec_tables, dec_lens, prefills = [], [], []
         for s in seqs:
             off = len(ids)
@@ -149,7 +147,6 @@ class ModelExecutor:
             pos.extend(p)
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             last_idx[s.request_id] = len(ids) - 1
-            first_idx[s.request_id] = off
             if s.is_decode:
                 dec_tables.append(table)
                 dec_lens.append(s.context_len)
@@ -162,7 +159,7 @@ class ModelExecutor:
             meta.num_decode_tokens = len(dec_tables)
             meta.decode_block_tables = self._tensor(padded)
             meta.decode_context_lens = self._tensor(dec_lens)
-        return self._tensor(ids), self._tensor(pos), meta, last_idx, first_idx
+        return self._tensor(ids), self._tensor(pos), meta, last_idx
 
     def _block_table(self, s: ScheduledSeq) -> list[int]:
         """The KV blocks ``s`` reads and writes: its block table, with every ``PAD_BLOCK`` of a padding row

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from engines.core.detokenizer import IncrementalDetokenizer
+from engines.core.llm_engine import output_text_ids
 from engines.core.logprobs import TokenLogprob
 from engines.core.request import Request, RequestStatus
 
@@ -270,10 +271,10 @@ class AsyncEngine:
             new = req.output_token_ids[stream.num_sent:]
             o = finished.get(rid)
             # a last token that stopped the request (EOS, stop_token_ids) is sent but adds no text
-            token_stop = o is not None and req.status == RequestStatus.FINISHED_STOPPED and isinstance(req.stop_reason, int)
-            for i, tok in enumerate(new):
-                text = "" if token_stop and i == len(new) - 1 else stream.detok.step(tok)[0]
+            n_text = len(output_text_ids(req)) if o is not None else len(req.output_token_ids)
+            for tok in new:
                 k = stream.num_sent
+                text = stream.detok.step(tok)[0] if k < n_text else ""
                 if m is not None:
                     if k == 0:
                         m.prompt_tokens.inc(req.num_prompt_tokens)
