@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,8 +43,8 @@ def main() -> None:
 
     def gemms():
         for layer in m.layers:
-            F.linear(x, layer["qkv"]), F.linear(x, layer["o"])
-            F.linear(F.linear(x, layer["gate_up"])[:, :inter].contiguous(), layer["down"])
+            layer["qkv"](x), layer["o"](x)
+            layer["down"](layer["gate_up"](x)[:, :inter].contiguous())
 
     kc, vc = ex.kv.layers[0]
     q = torch.randn(b, m.cfg.num_attention_heads, m.cfg.head_dim)

@@ -52,7 +52,7 @@ POLICIES = ("paged", "static", "orca")  # what a sim engine may simulate
 RESERVATIONS = ("max", "pow2", "oracle")
 
 # knobs only some engines honour; setting one elsewhere (to other than its default) is an error
-REAL_ONLY = ("device", "attention_backend", "step_delay_s")
+REAL_ONLY = ("device", "attention_backend", "linear_backend", "step_delay_s")
 SIM_ONLY = ("policy", "cost_model", "model_config", "swap_bandwidth_bytes_per_s")
 CATALOGUE = ("hardware", "tp", "weight_dtype", "kv_cache_dtype", "efficiency", "speculative_model",
              "num_speculative_tokens", "spec_acceptance_rate")  # what an analytic cost model is built from
@@ -74,7 +74,8 @@ class EngineConfig:
         cost_model: sim: a measured ``CostModel`` or an ``AnalyticCostModel``; None with ``hardware`` set
             builds the analytic model from ``model``, ``hardware``, ``tp``, ``weight_dtype``,
             ``kv_cache_dtype``, ``efficiency`` and the ``speculative_*`` fields.
-        dtype: ``float32`` or ``bfloat16``: the real model's weights and KV; a measured sim's KV bytes.
+        dtype: ``float32``, ``bfloat16`` or ``auto`` (``engines.real.cpu_features.resolve_dtype``): the real
+            model's weights and KV; a measured sim's KV bytes.
         seed: the real engine's sampling generator; the simulated draft-token acceptance draws.
         block_size, kv_cache_tokens, kv_cache_bytes: KV blocks and pool size (at most one of the two).
         max_num_seqs, max_num_batched_tokens, max_model_len, max_batch_size, reservation, completion,
@@ -88,6 +89,8 @@ class EngineConfig:
         step_noise: sim over a measured cost model: multiply each step by a draw (seeded by ``seed``) of the
             profile's measured step-to-step spread (``CostModel.noise_cv``); False: exact predictions.
         device, attention_backend: real only: where the model runs and its attention kernels.
+        linear_backend: real only: the dense GEMM kernel, ``auto`` (oneDNN with reordered weights on CPU),
+            ``onednn`` or ``torch`` (``F.linear``; ``engines.real.linear``).
         step_delay_s: real only, test-only: busy work added to every step.
         hardware, tp, weight_dtype, kv_cache_dtype, efficiency, speculative_model,
             num_speculative_tokens, spec_acceptance_rate: sim only: the analytic model's deployment.
@@ -120,6 +123,7 @@ class EngineConfig:
     swap_bandwidth_bytes_per_s: float | None = None
     device: str = "auto"
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     step_delay_s: float = 0.0
     hardware: str | None = None
     tp: int = 1
@@ -136,6 +140,12 @@ class EngineConfig:
     def policy_name(self) -> str:
         """The scheduling policy: ``kind`` for a real engine, ``policy`` (default paged) for a sim one."""
         return (self.policy or "paged") if self.kind == "sim" else self.kind
+
+    def __post_init__(self):
+        if self.dtype == "auto":  # bfloat16 where this CPU (or a CUDA device) computes it natively
+            from engines.real.cpu_features import resolve_dtype
+
+            self.dtype = resolve_dtype("auto", "cuda" if str(self.device).startswith("cuda") else "cpu")
 
     @property
     def analytic(self) -> bool:
@@ -164,7 +174,7 @@ class EngineConfig:
             if self.model is None:
                 bad.append(f"a {self.kind} engine runs a model: set model (a known name or a folder)")
         if self.dtype not in DTYPE_BYTES:
-            bad.append(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+            bad.append(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         if self.reservation not in RESERVATIONS:
             bad.append(f"reservation must be max, pow2 or oracle, got {self.reservation!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
@@ -324,7 +334,8 @@ def _build_real(config: EngineConfig) -> LLMEngine:
     cache = config.cache_config()
     num_blocks = cache.num_blocks(per_token, DEFAULT_KV_CACHE_TOKENS)
     num_cpu_blocks = cache.num_cpu_blocks(per_token) if config.kind == "paged" else 0
-    model = LlamaModel.from_dir(model_dir, getattr(torch, config.dtype), config.attention_backend, config.device)
+    model = LlamaModel.from_dir(model_dir, getattr(torch, config.dtype), config.attention_backend, config.device,
+                                linear_backend=config.linear_backend)
     executor = ModelExecutor(model, num_blocks, config.block_size, seed=config.seed, step_delay_s=config.step_delay_s,
                              num_cpu_blocks=num_cpu_blocks)
     return LLMEngine(build_scheduler(config.kind, sched_cfg, num_blocks, config.block_size, num_cpu_blocks),

@@ -23,7 +23,7 @@ class LLM:
         engine: ``paged`` (continuous batching over a paged KV cache) or ``static`` (baseline).
         **knobs: the real engine's ``engines.factory.EngineConfig`` fields:
 
-            dtype: ``float32`` (default) or ``bfloat16``.
+            dtype: ``float32`` (default), ``bfloat16`` or ``auto`` (bfloat16 where the CPU has it natively).
             block_size: tokens per KV block.
             kv_cache_tokens / kv_cache_bytes: KV pool size (default 65,536 tokens).
             max_num_seqs, max_num_batched_tokens: paged step limits.
@@ -36,6 +36,8 @@ class LLM:
             step_delay_s: test-only: busy-wait added to every step.
             attention_backend: attention kernels: ``auto`` (Triton on CUDA; on CPU the compiled kernel when
                 float32), ``torch`` (reference), ``cpp`` (CPU), ``triton`` (interpreter on CPU).
+            linear_backend: dense GEMM kernel: ``auto`` (oneDNN with reordered weights on CPU), ``onednn``
+                or ``torch`` (``F.linear``).
             device: ``auto`` (default: CUDA when torch sees a GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
             enable_prefix_caching: automatic prefix caching (paged; default on).
             enable_chunked_prefill: split prompts across steps (paged; default on).

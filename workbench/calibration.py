@@ -1,7 +1,7 @@
 """Per-machine calibration of the simulator: ``cost_model: auto`` finds or measures this machine's profile.
 
 A profile is valid for one *fingerprint*: CPU model and ISA flags, torch's CPU kernel level, torch threads,
-torch version, the model (name and a hash of its config), dtype, weight dtype, attention kernels and the
+torch version, the model (name and a hash of its config), dtype, weight dtype, attention and GEMM kernels and the
 profile format (``engines.sim.cost_model.PROFILE_FORMAT``). Profiles
 live in ``$WORKBENCH_CACHE/profiles/<model>-<key>.json`` (``key``: the first 16 hex digits of the
 fingerprint's sha256); ``workbench profile`` writes the same files. Block size is a feature of the cost model
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import platform
 import json
 import os
 import re
@@ -22,13 +21,13 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from engines.real.cpu_features import cpu_flags, cpu_name
 from engines.sim.cost_model import PROFILE_FORMAT, CostModel
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 # fingerprint fields that decide what computation was measured (a mismatch refuses the profile) ...
 COMPUTATION_FIELDS = ("model", "model_config_sha256", "dtype", "weight_dtype")
 # ... and the machine's (a mismatch warns: a profile of another machine predicts another speed)
-MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention", "profile_format")
+MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention", "linear", "profile_format")
 
 
 class ProfileMismatchError(ValueError):
@@ -36,25 +35,7 @@ class ProfileMismatchError(ValueError):
 
 
 def _cpu_flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [f for f in ISA_FLAGS if f in flags]
-    except OSError:
-        pass
-    return []
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return list(cpu_flags())
 
 
 def target_threads() -> int:
@@ -71,6 +52,7 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     ``attention``: the real engine's attention kernels (default: what ``auto`` picks here)."""
     import torch
 
+    from engines.real.linear import resolve_linear_backend
     from engines.real.model import pick_attention
 
     if attention is None:
@@ -79,7 +61,8 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     return {"cpu": cpu_name(), "isa": _cpu_flags(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
             "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype, "weight_dtype": dtype,
-            "attention": attention, "profile_format": PROFILE_FORMAT}
+            "attention": attention, "linear": resolve_linear_backend("auto", torch.device("cpu")),
+            "profile_format": PROFILE_FORMAT}
 
 
 def profile_key(fp: dict) -> str:

@@ -15,7 +15,7 @@ from engines.core.config import ModelConfig
 from engines.factory import EngineConfig, build_engine
 from engines.sim.catalog import GIB
 from engines.sim.cost_model import CostModel
-from workbench.calibration import cpu_name
+from engines.real.cpu_features import cpu_flags, cpu_name, native_bf16
 from workbench.fidelity import FORMULAS as FIDELITY_FORMULAS
 from workbench.metrics import FORMULAS, summarize
 from workbench.replay import make_requests, replay_realtime, replay_simulated
@@ -93,7 +93,7 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
     knobs = {**_knobs(spec), "seed": scenario.seed}
     if spec.kind in ("paged", "static"):
         return EngineConfig(kind=spec.kind, model=model_dir, device=spec.device,
-                            attention_backend=spec.attention_backend, step_delay_s=spec.test_step_delay_s or 0.0,
+                            attention_backend=spec.attention_backend, linear_backend=spec.linear_backend, step_delay_s=spec.test_step_delay_s or 0.0,
                             **knobs)
     assert isinstance(spec, SimEngineSpec)
     reserve = spec.activation_reserve_gib * GIB if spec.activation_reserve_gib is not None else None
@@ -179,13 +179,16 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
 
 
 def engine_runtime(engine) -> dict:
-    """``{"device", "device_name", "attention"}`` of a real engine's model."""
+    """What a real engine's model ran on and with: ``device``, ``device_name``, ``dtype`` (the element type
+    that ran, after ``auto``), the ``attention`` and ``linear`` (GEMM) kernels, and the CPU's ``isa`` flags
+    (``engines.real.cpu_features.ISA_FLAGS``: avx2, avx512f, avx512_bf16, amx_bf16, amx_int8, ...)."""
     import torch
 
     model = engine.executor.model
     dev = model.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
-    return {"device": str(dev), "device_name": name, "attention": model.attention.name}
+    return {"device": str(dev), "device_name": name, "dtype": str(model.dtype).removeprefix("torch."),
+            "attention": model.attention.name, "linear": model.linear_backend, "isa": list(cpu_flags())}
 
 
 def warm_up(engine) -> None:
@@ -448,7 +451,8 @@ def machine_info() -> dict:
     import torch
 
     return {"platform": platform.platform(), "processor": cpu_name(), "cpus": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch_threads": torch.get_num_threads()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "isa": list(cpu_flags()),
+            "native_bf16": native_bf16(), "torch_threads": torch.get_num_threads()}
 
 
 def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfig, eos,

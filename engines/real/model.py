@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engines.core.config import ModelConfig
+from engines.real.linear import Linear, make_linear, model_weight_dtype, resolve_linear_backend
 from kernels.paged_attention import causal_attention, paged_attention_decode, paged_attention_prefill, write_kv
 
 
@@ -184,6 +185,10 @@ class LlamaModel:
         attention_backend: see :func:`pick_attention`.
         device: ``cpu`` (default), ``cuda``/``cuda:N`` or ``auto`` (see :func:`resolve_device`); weights,
             RoPE tables and (through the executor) the KV cache and step tensors live there.
+        weight_dtype: how the layers' linear weights are stored: None or the dtype's own name (``fp32``,
+            ``bf16``: dense), ``int8`` or ``int4`` (weight-only quantized, ``engines.real.quant``). The
+            embedding, the norms and the LM head stay dense in ``dtype``, as AWQ/GPTQ checkpoints keep them.
+        linear_backend: the dense GEMM kernel (``engines.real.linear.resolve_linear_backend``).
 
     Raises:
         KeyError: a weight the architecture needs is missing.
@@ -191,7 +196,8 @@ class LlamaModel:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 attention_backend: str = "auto", device: str = "cpu"):
+                 attention_backend: str = "auto", device: str = "cpu", weight_dtype: str | None = None,
+                 linear_backend: str = "auto"):
         self.cfg, self.dtype = cfg, dtype
         self.device = resolve_device(device)
         # on CUDA the Triton kernels, on CPU the compiled kernel (or the reference)
@@ -199,8 +205,16 @@ class LlamaModel:
         self.decode_attention = self.attention.decode
         self.fused = self.attention.fused_cpu
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+        self.weight_dtype = weight_dtype or model_weight_dtype(dtype)
+        self.linear_backend = resolve_linear_backend(linear_backend, self.device)
+        backend = self.linear_backend
+
+        def linear(weight, bias=None):
+            return make_linear(weight, bias, self.weight_dtype, backend)
+
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head = Linear(head, None, backend)
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(cfg.num_hidden_layers):
@@ -214,12 +228,11 @@ class LlamaModel:
             self.layers.append(
                 dict(
                     ln1=w[p + "input_layernorm.weight"],
-                    qkv=qkv.contiguous(),
-                    qkv_bias=bias,
-                    o=w[a + "o_proj.weight"],
+                    qkv=linear(qkv.contiguous(), bias),
+                    o=linear(w[a + "o_proj.weight"]),
                     ln2=w[p + "post_attention_layernorm.weight"],
-                    gate_up=gate_up.contiguous(),
-                    down=w[p + "mlp.down_proj.weight"],
+                    gate_up=linear(gate_up.contiguous()),
+                    down=linear(w[p + "mlp.down_proj.weight"]),
                 )
             )
         inv = rope_inv_freq(cfg)
@@ -231,9 +244,20 @@ class LlamaModel:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto",
-                 device: str = "cpu") -> "LlamaModel":
+                 device: str = "cpu", weight_dtype: str | None = None, linear_backend: str = "auto") -> "LlamaModel":
+        """The model of a Hugging Face folder (``config.json`` and safetensors); arguments as the class."""
         model_dir = Path(model_dir)
-        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend, device)
+        return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend, device,
+                   weight_dtype, linear_backend)
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights take as stored: the layers' linear weights (quantized ones with their scales),
+        the embedding, the LM head when it is not tied to it, and the norms."""
+        lin = sum(layer[k].nbytes for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))
+        norms = sum(layer[k].numel() * layer[k].element_size() for layer in self.layers for k in ("ln1", "ln2"))
+        dense = (self.embed.numel() + self.norm.numel()) * self.embed.element_size()
+        head = 0 if self.cfg.tie_word_embeddings else self.lm_head.nbytes
+        return lin + norms + dense + head
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -273,17 +297,17 @@ class LlamaModel:
         x = self.embed[input_ids]
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             y = self._rms(x, layer["ln1"])
-            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](y)
             q = qkv[:, : h * d].view(t, h, d)
             k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             write_kv(kc, vc, k, v, meta.slot_mapping)
             attn = self._attention(q, k, v, kc, vc, meta)
-            x = x + F.linear(attn.reshape(t, h * d), layer["o"])
+            x = x + layer["o"](attn.reshape(t, h * d))
             y = self._rms(x, layer["ln2"])
-            gate, up = F.linear(y, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = layer["gate_up"](y).chunk(2, dim=-1)
+            x = x + layer["down"](F.silu(gate) * up)
         return self._rms(x, self.norm)
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
@@ -298,7 +322,7 @@ class LlamaModel:
         delta = None
         for layer, (kc, vc) in zip(self.layers, kv_caches):
             y = cpu_ops.fused_add_rms_norm(x, delta, layer["ln1"], eps)
-            qkv = F.linear(y, layer["qkv"], layer["qkv_bias"])
+            qkv = layer["qkv"](y)
             q = qkv[:, : h * d].view(t, h, d)
             k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
@@ -306,9 +330,9 @@ class LlamaModel:
             cpu_ops.rope_inplace(k, positions, self.cos, self.sin)
             write_kv(kc, vc, k, v, meta.slot_mapping)
             attn = self._attention(q, k, v, kc, vc, meta)
-            o = F.linear(attn.reshape(t, h * d), layer["o"])
+            o = layer["o"](attn.reshape(t, h * d))
             y = cpu_ops.fused_add_rms_norm(x, o, layer["ln2"], eps)
-            delta = F.linear(cpu_ops.silu_and_mul(F.linear(y, layer["gate_up"])), layer["down"])
+            delta = layer["down"](cpu_ops.silu_and_mul(layer["gate_up"](y)))
         return cpu_ops.fused_add_rms_norm(x, delta, self.norm, eps)
 
     def _attention(self, q, k, v, kc, vc, meta: AttentionMetadata) -> torch.Tensor:
@@ -329,4 +353,4 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

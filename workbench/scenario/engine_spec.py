@@ -119,14 +119,23 @@ class BuiltEngineSpec(EngineSpecBase):
         kv_cache_tokens, kv_cache_bytes: KV pool size in tokens or in bytes (at most one; neither: 65,536
             tokens, or for an analytic sim engine what fits in GPU memory).
         max_model_len: longest prompt + output in tokens (None = the model's).
-        dtype: ``float32`` or ``bfloat16``: the real model's weights and KV; a measured sim's KV bytes.
+        dtype: ``float32``, ``bfloat16`` or ``auto`` (bfloat16 where the CPU computes it natively, else
+            float32; resolved when the scenario loads, so results.json holds the dtype that ran): the real
+            model's weights and KV; a measured sim's KV bytes and profile.
     """
 
     block_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1)
     kv_cache_bytes: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+
+    @field_validator("dtype")
+    @classmethod
+    def _resolve_dtype(cls, v: str) -> str:
+        from engines.real.cpu_features import resolve_dtype
+
+        return resolve_dtype(v)
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "BuiltEngineSpec":
@@ -182,12 +191,15 @@ class RealEngineSpec(BuiltEngineSpec):
         device: ``auto`` (default: CUDA when torch sees a GPU, else CPU), ``cpu``, ``cuda`` or ``cuda:N``.
         attention_backend: ``auto`` (Triton on CUDA, the compiled kernel on CPU), ``torch``, ``cpp`` or
             ``triton``.
+        linear_backend: the dense GEMM kernel: ``auto`` (oneDNN with reordered weights on CPU, ``F.linear``
+            on CUDA), ``onednn`` or ``torch`` (``engines.real.linear``).
         test_step_delay_s: TEST-ONLY: seconds of busy work added to every step, to slow an engine
             deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
     """
 
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
+    linear_backend: Literal["auto", "torch", "onednn"] = "auto"
     test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 

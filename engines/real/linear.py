@@ -1,0 +1,100 @@
+"""Linear layers of the real model: ``y = x @ W^T + b`` with the GEMM kernel picked for the device.
+
+On CPU the default is oneDNN with the weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the path PyTorch's Inductor uses for
+frozen CPU linears). ``F.linear`` in float32 goes to the BLAS torch was built with (MKL), which on AMD
+CPUs runs a generic code path: on one 2-core AMD EPYC (AVX-512) MKL's float32 GEMM of SmolLM2's shapes ran at
+about 180 GFLOP/s and oneDNN's reordered one at 400-470, with the same float32 results to about 1e-6
+relative (another summation order, not lower precision). ``benchmarks/throughput.py`` measures both beside
+each other as the GEMM ceilings. ``linear_backend: torch`` keeps ``F.linear`` (and is the only choice on
+CUDA).
+
+Weight dtypes (``weight_dtype``): ``fp32``/``bf16`` are the model dtype's dense weights; ``int8`` and ``int4``
+are weight-only quantized layers (``engines.real.quant``), the activations staying in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
+
+# rows the oneDNN reorder is tuned for: a hint of 1 made 1,024-row prefills 2.6x slower, 64 was within
+# 5% of the best hint from 8 to 1,024 rows on the machine above
+ONEDNN_ROWS_HINT = 64
+
+
+def resolve_linear_backend(backend: str, device: torch.device) -> str:
+    """``torch`` or ``onednn`` for a ``linear_backend`` knob on ``device``.
+
+    Raises:
+        ValueError: an unknown name, or ``onednn`` asked for off the CPU or where torch has no oneDNN.
+    """
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+    usable = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    if backend == "onednn" and not usable:
+        raise ValueError(f"linear_backend 'onednn' needs the CPU and torch built with oneDNN (device {device})")
+    if backend == "auto":
+        return "onednn" if usable else "torch"
+    return backend
+
+
+class Linear:
+    """A dense linear layer ``[*, in] -> [*, out]`` in the weight's dtype.
+
+    Args:
+        weight: ``[out_features, in_features]``, already in the model's dtype and on its device.
+        bias: ``[out_features]`` or None.
+        backend: ``torch`` (``F.linear``) or ``onednn`` (weight reordered once; CPU only), as resolved by
+            :func:`resolve_linear_backend`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, backend: str = "torch"):
+        self.out_features, self.in_features = weight.shape
+        self.bias, self.backend = bias, backend
+        self.dtype = weight.dtype
+        self.nbytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.numel() * bias.element_size())
+        if backend == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS_HINT)
+        else:
+            self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [*, in_features]`` -> ``[*, out_features]`` in ``x``'s dtype."""
+        if self.backend == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+
+
+def model_weight_dtype(dtype: torch.dtype) -> str:
+    """The ``weight_dtype`` name of dense weights in ``dtype`` (``fp32`` or ``bf16``)."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str, backend: str) -> Linear:
+    """The layer for ``weight`` stored as ``weight_dtype``.
+
+    Args:
+        weight: ``[out, in]`` dense, in the model's dtype on its device.
+        bias: ``[out]`` or None.
+        weight_dtype: ``fp32``/``bf16`` (must be the model dtype's name: dense weights), ``int8`` or ``int4``.
+        backend: resolved linear backend for dense layers.
+    Raises:
+        ValueError: a weight dtype this engine cannot run, in one line.
+    """
+    dense = model_weight_dtype(weight.dtype)
+    if weight_dtype == dense:
+        return Linear(weight, bias, backend)
+    if weight_dtype in ("fp32", "bf16"):
+        raise ValueError(f"weight_dtype {weight_dtype} with dtype {dense}: dense weights are stored in the model "
+                         f"dtype (set dtype instead)")
+    if weight_dtype in ("int8", "int4"):
+        from engines.real import quant
+
+        return quant.quantized_linear(weight, bias, weight_dtype)
+    raise ValueError(f"weight_dtype {weight_dtype!r} is not one the real engine runs ({', '.join(WEIGHT_DTYPES)})")

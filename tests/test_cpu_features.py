@@ -1,0 +1,95 @@
+"""CPU capability detection, ``dtype: auto`` and the dense GEMM backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.factory import EngineConfig
+from engines.real import cpu_features
+from engines.real.linear import Linear, resolve_linear_backend
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    """Pretend the CPU has the given /proc/cpuinfo flags."""
+    def set_flags(*names):
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: tuple(names))
+    return set_flags
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_it(flags):
+    flags("avx2", "fma")
+    assert cpu_features.resolve_dtype("auto") == "float32"
+    flags("avx2", "avx512f", "avx512_bf16")
+    assert cpu_features.resolve_dtype("auto") == "bfloat16"
+    flags("avx2", "avx512f", "amx_tile", "amx_bf16")
+    assert cpu_features.resolve_dtype("auto") == "bfloat16"
+    flags("avx2")
+    assert cpu_features.resolve_dtype("auto", "cuda:0") == "bfloat16"
+    assert cpu_features.resolve_dtype("float32") == "float32" and cpu_features.resolve_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="dtype must be float32, bfloat16 or auto, got 'fp16'"):
+        cpu_features.resolve_dtype("fp16")
+
+
+def test_engine_config_and_scenario_resolve_auto(flags):
+    from workbench.scenario.engine_spec import PagedEngineSpec
+
+    flags("avx2")
+    assert EngineConfig(kind="paged", model="m", dtype="auto").dtype == "float32"
+    assert PagedEngineSpec(name="p", kind="paged", dtype="auto").dtype == "float32"
+    flags("avx512f", "avx512_bf16")
+    assert EngineConfig(kind="paged", model="m", dtype="auto").dtype == "bfloat16"
+    assert PagedEngineSpec(name="p", kind="paged", dtype="auto").dtype == "bfloat16"
+
+
+def test_flags_are_read_from_proc_cpuinfo():
+    have = cpu_features.cpu_flags()
+    assert set(have) <= set(cpu_features.ISA_FLAGS)
+    text = open("/proc/cpuinfo").read()
+    assert ("avx2" in have) == (" avx2" in text)
+    assert cpu_features.native_bf16() == (" avx512_bf16" in text or " amx_bf16" in text)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_linear_matches_f_linear(dtype):
+    """The reordered oneDNN weight gives F.linear's result (another summation order, same precision) at
+    the row counts of decode and prefill steps, with and without bias, on a strided input."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    onednn, ref = Linear(w, b, "onednn"), Linear(w, b, "torch")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (0, 1, 7, 64, 300):
+        x = torch.randn(rows, 80, generator=g).to(dtype)[:, ::2]  # not contiguous
+        got, want = onednn(x), ref(x)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
+    assert onednn.nbytes == ref.nbytes == (96 * 40 + 96) * w.element_size()
+
+
+def test_linear_backend_choice():
+    cpu = torch.device("cpu")
+    assert resolve_linear_backend("auto", cpu) == ("onednn" if torch.backends.mkldnn.is_available() else "torch")
+    assert resolve_linear_backend("torch", cpu) == "torch"
+    with pytest.raises(ValueError, match="linear_backend must be one of auto, torch, onednn, got 'mkl'"):
+        resolve_linear_backend("mkl", cpu)
+    with pytest.raises(ValueError, match="needs the CPU"):
+        resolve_linear_backend("onednn", torch.device("cuda", 0))
+
+
+def test_engines_agree_across_linear_backends(tiny_llama_dir):
+    """Greedy tokens of the tiny model are the same with oneDNN and F.linear GEMMs, and the runtime says
+    which ran."""
+    from engines import LLM, SamplingParams
+    from workbench.runner import engine_runtime
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = ["The quick brown fox", "Paged attention stores"]
+    outs = {}
+    for backend in ("onednn", "torch"):
+        llm = LLM(tiny_llama_dir, linear_backend=backend, kv_cache_tokens=1024)
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
+        rt = engine_runtime(llm.engine)
+        assert rt["linear"] == backend and rt["dtype"] == "float32"
+        assert rt["isa"] == list(cpu_features.cpu_flags())
+    assert outs["onednn"] == outs["torch"]
