@@ -56,10 +56,26 @@ def add_workload_args(ap) -> None:
     ap.add_argument("--out", required=True)
 
 
+def parse_workload(text: str) -> tuple[str, int, int]:
+    """``NAME:NUM_PROMPTS:MAX_PROMPT_TOKENS`` (e.g. ``short-64:64:12``) -> ``(name, n, max_prompt_tokens)``.
+
+    Raises:
+        argparse.ArgumentTypeError: not three fields, or counts that are not positive integers.
+    """
+    import argparse
+
+    parts = text.split(":")
+    if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+        raise argparse.ArgumentTypeError(f"workload {text!r}: want NAME:NUM_PROMPTS:MAX_PROMPT_TOKENS")
+    return parts[0], int(parts[1]), int(parts[2])
+
+
 def write_result(out: str, engine: str, mode: str, batch_size, num_requests: int, output_tokens: int,
-                 max_tokens: int, elapsed_s: float, load0: float, threads: int) -> dict:
+                 max_tokens: int, elapsed_s: float, load0: float, threads: int | None,
+                 extra: dict | None = None) -> dict:
     """Write one peer benchmark's result record (JSON, ``out``) and print it; returns it. Throughput is
-    ``output_tokens / elapsed_s`` (tok/s); the 1-minute load average before and after says how noisy the host was."""
+    ``output_tokens / elapsed_s`` (tok/s); the 1-minute load average before and after says how noisy the host
+    was. ``extra``: more fields for the record."""
     result = {
         "engine": engine,
         "mode": mode,
@@ -71,6 +87,7 @@ def write_result(out: str, engine: str, mode: str, batch_size, num_requests: int
         "output_tok_per_s": round(output_tokens / elapsed_s, 2),
         "loadavg_1m_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "torch_threads": threads,
+        **(extra or {}),
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")

@@ -1,4 +1,4 @@
-"""Peer benchmark: Hugging Face transformers, in-process, float32, greedy.
+"""Peer benchmark: Hugging Face transformers, in-process, greedy, float32 unless ``--dtype bfloat16``.
 
 Modes:
   generate        ``model.generate`` on left-padded static batches of ``--batch-size``;
@@ -64,11 +64,12 @@ def main():
     ap.add_argument("--mode", choices=["generate", "generate_batch"], default="generate")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.model, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)).eval()
     prompts = truncate_prompts(load_sharegpt_prompts(a.num_prompts), tok, a.max_prompt_tokens)
 
     if a.mode == "generate":
@@ -84,7 +85,7 @@ def main():
 
     write_result(a.out, f"transformers-{__import__('transformers').__version__}", a.mode,
                  a.batch_size if a.mode == "generate" else None, len(prompts), n_out, a.max_tokens, dt, load0,
-                 torch.get_num_threads())
+                 torch.get_num_threads(), extra={"dtype": a.dtype})
 
 
 if __name__ == "__main__":
