@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.core.config import DEFAULT_SWAP_BANDWIDTH, DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig
+from engines.core.config import (ANALYTIC_DEFAULT_WEIGHT_DTYPE, ANALYTIC_WEIGHT_DTYPES, DEFAULT_SWAP_BANDWIDTH,
+                                 DTYPE_BYTES, CacheConfig, ModelConfig, SchedulerConfig, real_weight_dtype,
+                                 real_weight_dtype_problem)
 from engines.core.kv_cache_manager import ContiguousKVCacheManager, PagedKVCacheManager
 from engines.core.llm_engine import LLMEngine
 from engines.core.orca_scheduler import OrcaScheduler
@@ -54,8 +56,9 @@ RESERVATIONS = ("max", "pow2", "oracle")
 # knobs only some engines honour; setting one elsewhere (to other than its default) is an error
 REAL_ONLY = ("device", "attention_backend", "linear_backend", "step_delay_s")
 SIM_ONLY = ("policy", "cost_model", "model_config", "swap_bandwidth_bytes_per_s")
-CATALOGUE = ("hardware", "tp", "weight_dtype", "kv_cache_dtype", "efficiency", "speculative_model",
+CATALOGUE = ("hardware", "tp", "kv_cache_dtype", "efficiency", "speculative_model",
              "num_speculative_tokens", "spec_acceptance_rate")  # what an analytic cost model is built from
+# (and weight_dtype, which every kind takes: see EngineConfig)
 MEMORY = ("gpu_memory_utilization", "activation_reserve_bytes")  # the analytic model's memory plan
 
 
@@ -92,7 +95,13 @@ class EngineConfig:
         linear_backend: real only: the dense GEMM kernel, ``auto`` (oneDNN with reordered weights on CPU),
             ``onednn`` or ``torch`` (``F.linear``; ``engines.real.linear``).
         step_delay_s: real only, test-only: busy work added to every step.
-        hardware, tp, weight_dtype, kv_cache_dtype, efficiency, speculative_model,
+        weight_dtype: how the linear weights are stored (``engines.core.config.WEIGHT_DTYPES``). Real
+            engines: ``fp32``/``bf16`` (the dense weights of ``dtype``, which they must agree with), ``int8``
+            or ``int4`` (weight-only quantized, ``engines.real.quant``); None: the dense weights of
+            ``dtype``. A sim over a measured cost model: the same vocabulary (the profile measured a real
+            engine with it; informational here, the profile's fingerprint is checked where it is loaded).
+            Analytic sim: ``bf16`` (None), ``fp8``, ``awq``, ``gptq`` or ``int4``.
+        hardware, tp, kv_cache_dtype, efficiency, speculative_model,
             num_speculative_tokens, spec_acceptance_rate: sim only: the analytic model's deployment.
         gpu_memory_utilization, activation_reserve_bytes: analytic sim only: the memory plan that sizes
             the KV pool when neither ``kv_cache_tokens`` nor ``kv_cache_bytes`` is given.
@@ -127,7 +136,7 @@ class EngineConfig:
     step_delay_s: float = 0.0
     hardware: str | None = None
     tp: int = 1
-    weight_dtype: str = "bf16"
+    weight_dtype: str | None = None
     kv_cache_dtype: str = "bf16"
     efficiency: dict[str, float] | None = None
     speculative_model: str | None = None
@@ -173,6 +182,7 @@ class EngineConfig:
                     if n in set_]
             if self.model is None:
                 bad.append(f"a {self.kind} engine runs a model: set model (a known name or a folder)")
+        bad += self._weight_dtype_problems()
         if self.dtype not in DTYPE_BYTES:
             bad.append(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
         if self.reservation not in RESERVATIONS:
@@ -186,6 +196,29 @@ class EngineConfig:
         if sched:
             bad.append(sched)
         return bad
+
+    def _weight_dtype_problems(self) -> list[str]:
+        """``weight_dtype`` against what this kind runs (see the field's description), one line each."""
+        wd = self.weight_dtype
+        if wd is None:
+            return []
+        if self.analytic:
+            cm_wd = getattr(self.cost_model, "weight_dtype", None)
+            if cm_wd is not None and wd != cm_wd:
+                return [f"weight_dtype {wd}: the analytic cost model is given, with weight_dtype {cm_wd}"]
+            if wd not in ANALYTIC_WEIGHT_DTYPES:
+                return [f"weight_dtype {wd} is not priced by the analytic cost model "
+                        f"({', '.join(ANALYTIC_WEIGHT_DTYPES)}); the real engine runs it"]
+            return []
+        who = "the real engine" if self.kind != "sim" else "a measured profile (of the real engine)"
+        problem = real_weight_dtype_problem(wd, self.dtype, who) if self.dtype in DTYPE_BYTES else None
+        return [f"engine {self.kind}: {problem}"] if problem else []
+
+    @property
+    def real_weight_dtype(self) -> str:
+        """The weight dtype a real engine (or the profile of a measured sim) runs: ``weight_dtype``, else the
+        dense weights of ``dtype``."""
+        return real_weight_dtype(self.weight_dtype, self.dtype)
 
     def _cost_model_problems(self, set_: set[str]) -> list[str]:
         if self.cost_model is None and self.hardware is None:
@@ -278,7 +311,8 @@ def analytic_cost_model(config: EngineConfig) -> AnalyticCostModel:
     if config.speculative_model:
         spec = SpecDecodeConfig(get_model(config.speculative_model), config.num_speculative_tokens,
                                 config.spec_acceptance_rate)
-    return AnalyticCostModel(get_model(config.model), get_hardware(config.hardware), config.tp, config.weight_dtype,
+    weight_dtype = config.weight_dtype or ANALYTIC_DEFAULT_WEIGHT_DTYPE
+    return AnalyticCostModel(get_model(config.model), get_hardware(config.hardware), config.tp, weight_dtype,
                              config.kv_cache_dtype, Efficiency.default(**(config.efficiency or {})), spec)
 
 
@@ -335,7 +369,7 @@ def _build_real(config: EngineConfig) -> LLMEngine:
     num_blocks = cache.num_blocks(per_token, DEFAULT_KV_CACHE_TOKENS)
     num_cpu_blocks = cache.num_cpu_blocks(per_token) if config.kind == "paged" else 0
     model = LlamaModel.from_dir(model_dir, getattr(torch, config.dtype), config.attention_backend, config.device,
-                                linear_backend=config.linear_backend)
+                                weight_dtype=config.real_weight_dtype, linear_backend=config.linear_backend)
     executor = ModelExecutor(model, num_blocks, config.block_size, seed=config.seed, step_delay_s=config.step_delay_s,
                              num_cpu_blocks=num_cpu_blocks)
     return LLMEngine(build_scheduler(config.kind, sched_cfg, num_blocks, config.block_size, num_cpu_blocks),

@@ -24,6 +24,9 @@ class LLM:
         **knobs: the real engine's ``engines.factory.EngineConfig`` fields:
 
             dtype: ``float32`` (default), ``bfloat16`` or ``auto`` (bfloat16 where the CPU has it natively).
+            weight_dtype: the linear weights: None (default: the dense weights of ``dtype``), ``fp32`` /
+                ``bf16`` (dense; must agree with ``dtype``), ``int8`` or ``int4`` (weight-only quantized,
+                round-to-nearest, ``engines.real.quant``).
             block_size: tokens per KV block.
             kv_cache_tokens / kv_cache_bytes: KV pool size (default 65,536 tokens).
             max_num_seqs, max_num_batched_tokens: paged step limits.

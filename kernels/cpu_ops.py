@@ -76,28 +76,66 @@ def build_error() -> str | None:
     return _error
 
 
-def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x += delta`` in place (if given), then return ``w * x / sqrt(mean(x^2) + eps)``; x ``[T, hidden]`` float32."""
-    return load().fused_add_rms_norm(x, delta, w, float(eps))
-
-
-def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotary embedding (rotate-half) in place on ``x [T, heads, head_dim]``; tables ``[max_pos, head_dim]``."""
-    load().rope_inplace(x, positions, cos, sin)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` float32."""
-    return load().silu_and_mul(x)
-
-
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.paged_attention.paged_attention_decode`` (float32, CPU, contiguous).
-
-    Raises:
-        RuntimeError: the kernel is unavailable or the inputs are not float32/contiguous.
-    """
+def _module():
+    """The loaded module; RuntimeError (with the build error) when it is unavailable."""
     mod = load()
     if mod is None:
         raise RuntimeError(f"CPU paged-attention kernel is unavailable: {_error}")
-    return mod.paged_attention_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, float(scale))
+    return mod
+
+
+def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (if given), then return ``w * x / sqrt(mean(x^2) + eps)``.
+
+    Args:
+        x: ``[T, hidden]`` float32 or bfloat16, contiguous (updated in place when ``delta`` is given).
+        delta: ``[T, hidden]`` in x's dtype, or None.
+        w: ``[hidden]`` in x's dtype.
+    Returns:
+        ``[T, hidden]`` in x's dtype. In bfloat16 the norm is computed in float32 and the normalized x is
+        rounded to bfloat16 before the weight multiply, as transformers' ``LlamaRMSNorm`` does.
+    """
+    return _module().fused_add_rms_norm(x, delta, w, float(eps))
+
+
+def rope_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary embedding (rotate-half) in place on ``x [T, heads, head_dim]`` (last dim contiguous) at
+    ``positions [T]``; tables ``[max_pos, head_dim]`` in x's dtype (float32 or bfloat16)."""
+    _module().rope_inplace(x, positions, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :I]) * x[:, I:]`` for ``x [T, 2I]`` (float32 or bfloat16, contiguous) -> ``[T, I]``."""
+    return _module().silu_and_mul(x)
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """Same contract as ``kernels.paged_attention.paged_attention_decode`` (float32 or bfloat16 tensors of
+    one dtype, CPU, contiguous caches).
+
+    Raises:
+        RuntimeError: the kernel is unavailable or the inputs do not fit it.
+    """
+    return _module().paged_attention_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens, float(scale))
+
+
+def paged_attention_prefill_varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos,
+                                   scale: float | None = None, *, max_seqlen_q: int | None = None) -> torch.Tensor:
+    """Same contract as ``kernels.paged_attention.paged_attention_prefill_varlen``: every prefill chunk of a
+    step in one call, read through block tables, causal with each chunk's offset, grouped-query heads.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` float32 or bfloat16 (a strided view is fine if the last dim is
+            contiguous: the q slice of the fused qkv output).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, contiguous.
+        block_tables, cu_seqlens_q, start_pos: ``[P, max_blocks]``, ``[P + 1]``, ``[P]`` int64.
+        max_seqlen_q: unused here (the Triton kernel's launch size); accepted for the common contract.
+    Returns:
+        ``[T, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        RuntimeError: the kernel is unavailable or the inputs do not fit together (one line).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _module().paged_attention_prefill_varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos,
+                                                    float(scale))

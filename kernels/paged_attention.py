@@ -93,6 +93,51 @@ def paged_attention_prefill(
     return causal_attention(q, k[0].transpose(0, 1), v[0].transpose(0, 1), start_pos, scale)
 
 
+def paged_attention_prefill_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    start_pos: torch.Tensor,
+    scale: float | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for the prefill chunks of several sequences in one call (the reference: one
+    :func:`paged_attention_prefill` per chunk).
+
+    Chunk ``s`` is the query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1``, at positions
+    ``start_pos[s] ..``; its K/V must already be written, and its row ``i`` attends to positions
+    ``0 .. start_pos[s] + i`` of its sequence.
+
+    Args:
+        q: ``[total_tokens, num_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[num_chunks, max_blocks]`` int64 (entries past a chunk's blocks may be any id).
+        cu_seqlens_q: ``[num_chunks + 1]`` int64, cumulative chunk lengths from 0.
+        start_pos: ``[num_chunks]`` int64, tokens cached before each chunk.
+        max_seqlen_q: the longest chunk (the Triton kernel's launch size); unused here.
+    Returns:
+        ``[total_tokens, num_heads, head_dim]``.
+
+    Raises:
+        ValueError: index tensors whose lengths do not fit together.
+    """
+    ns = start_pos.shape[0]
+    if cu_seqlens_q.shape != (ns + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != ns:
+        raise ValueError(f"cu_seqlens_q must be [{ns + 1}] and block_tables [{ns}, max_blocks] for {ns} start positions")
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    bounds, starts = cu_seqlens_q.tolist(), start_pos.tolist()
+    for s in range(ns):
+        a, b, start = bounds[s], bounds[s + 1], starts[s]
+        if b > a:
+            table = block_tables[s, : -(-(start + b - a) // bs)]
+            out[a:b] = paged_attention_prefill(q[a:b], k_cache, v_cache, table, start, scale)
+    return out
+
+
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0, scale: float | None = None
 ) -> torch.Tensor:

@@ -19,7 +19,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_fingerprint_names_machine_and_computation(tiny_llama_dir):
     fp = fingerprint("tiny", tiny_llama_dir)
-    assert fp["model"] == "tiny" and fp["dtype"] == fp["weight_dtype"] == "float32"
+    assert fp["model"] == "tiny" and fp["dtype"] == "float32" and fp["weight_dtype"] == "fp32"
     assert fp["threads"] >= 1 and fp["cpu_capability"] and fp["torch"] and fp["attention"] in ("cpp", "torch")
     assert fingerprint("tiny", tiny_llama_dir, threads=fp["threads"] + 1) != fp
     assert fingerprint("tiny", tiny_llama_dir) == fp  # deterministic: the cache key is stable
@@ -37,6 +37,42 @@ def test_profile_of_another_model_is_refused_and_another_machine_warns(tiny_llam
     assert check_profile(cm, fp, "engine s") == ["cpu", "threads"]
     cm.fingerprint = dict(fp)
     assert check_profile(cm, fp, "engine s") == []
+
+
+def test_fingerprint_takes_the_weight_dtype_and_refuses_another(tiny_llama_dir):
+    fp32 = fingerprint("tiny", tiny_llama_dir)
+    int8 = fingerprint("tiny", tiny_llama_dir, weight_dtype="int8")
+    assert int8["weight_dtype"] == "int8" and int8["dtype"] == "float32"
+    assert profile_path(int8) != profile_path(fp32)  # cached apart
+    assert fingerprint("tiny", tiny_llama_dir, "bfloat16")["weight_dtype"] == "bf16"
+    # a profile measured with fp32 weights is refused for an int8 engine, in one line
+    with pytest.raises(ProfileMismatchError, match=r"^engine s: .*weight_dtype fp32 != int8[^\n]*$"):
+        check_profile(CostModel({"const": 0.01}, fingerprint=fp32), int8, "engine s")
+    # profiles written before the fp32/bf16 names recorded the dense weights by the dtype's name
+    assert check_profile(CostModel({"const": 0.01}, fingerprint={**fp32, "weight_dtype": "float32"}), fp32, "e") == []
+    for bad, msg in (("fp8", "weight_dtype fp8 is a what-if of the analytic cost model"),
+                     ("bf16", "weight_dtype bf16 means dense weights in dtype bfloat16, but dtype is float32")):
+        with pytest.raises(ValueError, match=msg):
+            fingerprint("tiny", tiny_llama_dir, weight_dtype=bad)
+
+
+def test_measure_profile_builds_the_model_with_the_weight_dtype(tiny_llama_dir, monkeypatch):
+    from engines.real.model import LlamaModel
+    from engines.sim import profiler
+
+    built = []
+    real_from_dir = LlamaModel.from_dir
+
+    def spy(*a, **k):
+        m = real_from_dir(*a, **k)
+        built.append(m.weight_dtype)
+        return m
+
+    monkeypatch.setattr(LlamaModel, "from_dir", spy)
+    monkeypatch.setattr(profiler, "profile", lambda ex, grid, repeats, progress=None: CostModel({"const": 0.01}))
+    fp = fingerprint("tiny", tiny_llama_dir, weight_dtype="int4")
+    cm = calibration.measure_profile(tiny_llama_dir, fp, quick=True, kv_cache_tokens=256)
+    assert built == ["int4"] and cm.fingerprint["weight_dtype"] == "int4" and "weights int4" in cm.source
 
 
 def test_auto_measures_once_then_reads_the_cache_even_from_concurrent_callers(cache, tiny_llama_dir, monkeypatch):

@@ -39,7 +39,9 @@ def test_capacity_of_quickstart_sim_paged(smollm2_dir):
     bad = re.search(r"fails at ([0-9.]+) req/s: .*\[(.*)\]", r.output)
     assert cap == ok and ok < float(bad.group(1)) <= ok * 1.02 + 1e-9
     assert "p99" in bad.group(2) and ">" in bad.group(2)  # the violated limit is named
-    assert 0.2 < cap < 5  # measured 0.9375 req/s (TPOT p99 limit 500 ms binds first)
+    # the capacity is this machine's speed, not a constant: on one 2-core AMD EPYC 0.94 req/s with MKL GEMMs
+    # and 10.25 with oneDNN ones; the range only catches a search that ran away (the bracketing is checked above)
+    assert 0.05 < cap < 200
     r = CliRunner().invoke(app, ["capacity", str(QUICKSTART), "--engine", "nope"])
     assert r.exit_code == 2 and "no engine named 'nope'" in r.output
     r = CliRunner().invoke(app, ["capacity", str(QUICKSTART), "--engine", "sim-paged", "--metric", "latency"])

@@ -1,9 +1,13 @@
-"""The compiled CPU paged decode attention against the PyTorch reference; in CI a kernel that does not build
-fails these tests with the build's error instead of skipping them."""
+"""The compiled CPU ops (paged decode attention, fused residual + RMSNorm, RoPE, SiLU-and-mul) against the
+PyTorch reference in float32 and bfloat16; in CI a kernel that does not build fails these tests with the
+build's error instead of skipping them. The varlen prefill kernel is tested in ``test_prefill_varlen.py``."""
 
 import pytest
 import torch
 
+import torch.nn.functional as F
+
+from engines.real.model import LlamaModel
 from kernels import cpu_ops
 from kernels.paged_attention import paged_attention_decode
 
@@ -38,6 +42,103 @@ def test_cpu_decode_kernel_matches_reference(seed, kernel):
     out = cpu_ops.paged_attention_decode(q, k, v, tables, lens, d**-0.5)
     ref = paged_attention_decode(q, k, v, tables, lens, d**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """The largest distance between two bfloat16 tensors in units in the last place (same-sign values)."""
+    a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
+    return int((a - b).abs().max()) if got.numel() else 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bf16_decode_kernel_matches_the_float32_reference(seed, kernel):
+    """bfloat16 K/V/q are exact in float32 and the kernel computes in float32: the result is the float32
+    reference's rounded to bfloat16, within one bfloat16 ulp (relative 2**-8)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    batch, kvh, groups, d, bs, nb = 5, [1, 3, 2][seed % 3], [3, 1, 4][seed % 3], [64, 32, 48][seed % 3], [16, 8][seed % 2], 48
+    k = torch.randn(nb, bs, kvh, d, generator=g).bfloat16()
+    v = torch.randn(nb, bs, kvh, d, generator=g).bfloat16()
+    lens = torch.randint(1, 5 * bs, (batch,), generator=g)
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in range(batch)])
+    q = torch.randn(batch, kvh * groups, d, generator=g).bfloat16()
+    out = cpu_ops.paged_attention_decode(q, k, v, tables, lens, d**-0.5)
+    assert out.dtype == torch.bfloat16
+    ref = paged_attention_decode(q.float(), k.float(), v.float(), tables, lens, d**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=1e-4, rtol=2**-8)
+
+
+def reference_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: float32 math, the normalized x cast to the model dtype, then the weight."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_the_reference(dtype, kernel):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(37, 576, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    want_x = x + delta  # the residual add in the model dtype
+    want = reference_rms(want_x, w, 1e-5)
+    got = cpu_ops.fused_add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(x, want_x) and got.dtype == dtype  # x was updated in place
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:  # the sum of squares in another order may move a rounding by one ulp, never more
+        assert bf16_ulps(got, want) <= 1
+        assert (got != want).float().mean() < 0.01
+    assert torch.equal(cpu_ops.fused_add_rms_norm(x, None, w, 1e-5), got)  # no delta: the norm of x as it is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_inplace_matches_the_reference(dtype, kernel):
+    """bfloat16 rounds where ``x * cos + rotate_half(x) * sin`` in bfloat16 does: bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    t, h, d = 23, 9, 64
+    qkv = torch.randn(t, (h + 6) * d, generator=g).to(dtype)
+    q = qkv[:, : h * d].view(t, h, d)  # strided rows, as the model passes the q slice of qkv
+    pos = torch.randint(0, 500, (t,), generator=g)
+    ang = torch.arange(512, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(0, d, 2) / d))[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want = LlamaModel._rope(q.clone(), cos[pos][:, None, :], sin[pos][:, None, :])
+    cpu_ops.rope_inplace(q, pos, cos, sin)
+    if dtype == torch.float32:
+        torch.testing.assert_close(q, want, atol=1e-6, rtol=1e-6)
+    else:
+        assert torch.equal(q, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_reference(dtype, kernel):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(19, 2 * 1536, generator=g) * 4).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = cpu_ops.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (19, 1536)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # exp to 2e-7 relative: silu(gate) rounds like torch's except at near-ties, then the same multiply
+        assert bf16_ulps(got.abs(), want.abs()) <= 1
+
+
+def test_mismatched_dtypes_are_one_line_errors(kernel):
+    x = torch.randn(4, 8)
+    for call, match in [
+        (lambda: cpu_ops.fused_add_rms_norm(x, None, torch.ones(8).bfloat16(), 1e-5), "x and w must have the same dtype"),
+        (lambda: cpu_ops.silu_and_mul(x.half()), "float32 or bfloat16 tensors only"),
+        (lambda: cpu_ops.rope_inplace(x.view(4, 2, 4), torch.zeros(4, dtype=torch.long), torch.ones(3, 4).bfloat16(),
+                                      torch.ones(3, 4).bfloat16()), "x and cos must have the same dtype"),
+        (lambda: cpu_ops.paged_attention_decode(torch.randn(1, 2, 4).bfloat16(), torch.randn(2, 4, 1, 4),
+                                                torch.randn(2, 4, 1, 4), torch.zeros(1, 1, dtype=torch.long),
+                                                torch.ones(1, dtype=torch.long), 1.0), "q and k_cache must have the same dtype"),
+    ]:
+        with pytest.raises(RuntimeError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value).strip()
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ def test_a_cuda_device_gets_the_triton_kernels():
         assert ops.name == "triton" and not ops.fused_cpu
         assert ops.decode is triton_attention.paged_attention_decode
         assert ops.prefill is triton_attention.paged_attention_prefill
+        assert ops.prefill_varlen is triton_attention.paged_attention_prefill_varlen
     assert pick_attention("torch", torch.float32, torch.device("cuda")).decode is ref.paged_attention_decode
     with pytest.raises(ValueError, match="'cpp' is a CPU kernel; the model is on cuda"):
         pick_attention("cpp", torch.float32, torch.device("cuda"))
@@ -56,7 +57,16 @@ def test_cpu_keeps_the_compiled_kernel_and_never_auto_picks_triton():
     else:
         assert f32.name == "torch"
     assert f32.prefill is ref.paged_attention_prefill
-    assert pick_attention("auto", torch.bfloat16, cpu).name == "torch"
+    bf16 = pick_attention("auto", torch.bfloat16, cpu)
+    if cpu_ops.available():  # the compiled kernels take bfloat16 too; other dtypes get the reference
+        assert f32.prefill_varlen is bf16.prefill_varlen is cpu_ops.paged_attention_prefill_varlen
+        assert (bf16.name, bf16.fused_cpu) == ("cpp", True)
+        with pytest.raises(ValueError, match="'cpp' needs float32 or bfloat16"):
+            pick_attention("cpp", torch.float16, cpu)
+    else:
+        assert bf16.name == "torch"
+    assert pick_attention("auto", torch.float16, cpu).name == "torch"
+    assert pick_attention("torch", torch.float32, cpu).prefill_varlen is ref.paged_attention_prefill_varlen
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         pick_attention("flash", torch.float32, cpu)
 

@@ -126,10 +126,37 @@ def test_an_analytic_model_sizes_its_pool_from_gpu_memory():
     (dict(kind="sim", model_config=SMOL, cost_model=CM, kv_cache_tokens=64, kv_cache_bytes=64), "not both"),
     (dict(kind="sim", model_config=SMOL, cost_model=CM, preemption_mode="drop"), "preemption_mode must be one of"),
     (dict(kind="remote"), "kind must be one of paged, static, sim"),
+    # weight_dtype: one vocabulary, each kind taking what it runs or prices
+    (dict(kind="paged", model="m", weight_dtype="fp8"), "engine paged: weight_dtype fp8 is a what-if of the analytic "
+                                                        "cost model; the real engine runs fp32, bf16, int8, int4"),
+    (dict(kind="static", model="m", weight_dtype="bf16"), "engine static: weight_dtype bf16 means dense weights in "
+                                                          "dtype bfloat16, but dtype is float32"),
+    (dict(kind="sim", model_config=SMOL, cost_model=CM, weight_dtype="awq"), "engine sim: weight_dtype awq is a "
+                                                                             "what-if"),
+    (dict(kind="sim", hardware="h100-sxm", model="llama-3.1-8b", weight_dtype="int8"), "not priced by the analytic"),
+    (dict(kind="sim", cost_model=AnalyticCostModel(get_model("llama-3.1-8b"), get_hardware("h100-sxm")),
+          weight_dtype="fp8"), "the analytic cost model is given, with weight_dtype bf16"),
 ])
 def test_a_knob_the_engine_cannot_honour_is_an_error(cfg, msg):
     with pytest.raises(ValueError, match=msg):
         build_engine(EngineConfig(**cfg))
+
+
+def test_a_measured_profile_of_other_weights_is_refused_for_the_engine():
+    """builtin:ci-reference measured fp32 weights: an int8 sim engine may not use it (one line)."""
+    from workbench.calibration import ProfileMismatchError
+    from engines.real.model_store import resolve_model
+
+    try:
+        model_dir = resolve_model("smollm2-135m", pull_missing=False)
+    except Exception:
+        pytest.skip("smollm2-135m is not pulled (the fingerprint reads its config.json)")
+    sc = scenario(PRESSURE, {"name": "e", "kind": "sim", "cost_model": "builtin:ci-reference", "weight_dtype": "int8"},
+                  {"name": "ok", "kind": "sim", "cost_model": "builtin:ci-reference"})
+    with pytest.raises(ProfileMismatchError, match=r"^engine e: cost_model builtin:ci-reference: the profile "
+                                                   r"measured another computation \(weight_dtype fp32 != int8\)"):
+        engine_config(sc, sc.engine("e"), model_dir, SMOL)
+    assert engine_config(sc, sc.engine("ok"), model_dir, SMOL).cost_model is not None
 
 
 def test_llm_refuses_a_simulator_knob_before_loading_anything(tmp_path):

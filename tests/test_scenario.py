@@ -388,3 +388,53 @@ def test_overrides_of_a_knob_the_engine_lacks_are_one_line_errors(scen_dir):
 
 def test_scenario_error_is_a_usage_error():
     assert issubclass(ScenarioError, UsageError) and issubclass(ScenarioError, ValueError)
+
+
+# ----------------------------------------------------------------------------------- weight_dtype
+
+
+@pytest.mark.parametrize("engine, what", [
+    ("kind: paged;weight_dtype: fp8", "weight_dtype fp8 is a what-if of the analytic cost model; the real engine "
+                                      "runs fp32, bf16, int8, int4"),
+    ("kind: static;weight_dtype: awq", "weight_dtype awq is a what-if of the analytic cost model"),
+    ("kind: paged;weight_dtype: bf16", "weight_dtype bf16 means dense weights in dtype bfloat16, but dtype is "
+                                       "float32"),
+    ("kind: paged;dtype: bfloat16;weight_dtype: fp32", "weight_dtype fp32 means dense weights in dtype float32"),
+    ("kind: sim;weight_dtype: gptq", "weight_dtype gptq is a what-if of the analytic cost model; a measured "
+                                     "profile (of the real engine) runs fp32, bf16, int8, int4"),
+    ("kind: sim;hardware: h100-sxm;weight_dtype: int8", "weight_dtype int8 is not priced by the analytic cost "
+                                                        "model (bf16, fp8, awq, gptq, int4)"),
+    ("kind: openai;base_url: http://h:1/v1;weight_dtype: int8", "weight_dtype is an engine knob, set on the server"),
+])
+def test_a_weight_dtype_the_engine_cannot_run_is_one_line_naming_it(tmp_path, engine, what):
+    msg = scenario_error(engine_file(tmp_path, engine))
+    assert what in msg and "(engine e, line" in msg, msg
+
+
+def test_weight_dtype_one_vocabulary_for_real_and_sim_engines(tmp_path):
+    from workbench.runner import engine_config
+
+    engines = [{"name": "p", "kind": "paged"}, {"name": "p8", "kind": "paged", "weight_dtype": "int8"},
+               {"name": "s4", "kind": "static", "dtype": "bfloat16", "weight_dtype": "int4"},
+               {"name": "pd", "kind": "paged", "dtype": "bfloat16", "weight_dtype": "bf16"},
+               {"name": "sm", "kind": "sim", "weight_dtype": "int8"},
+               {"name": "sa", "kind": "sim", "hardware": "h100-sxm", "model": "llama-3.1-8b", "weight_dtype": "awq"},
+               {"name": "sd", "kind": "sim", "hardware": "h100-sxm", "model": "llama-3.1-8b"}]
+    sc = validate_scenario({"name": "w", "trace": {"format": "synthetic",
+                                                   "synthetic": {"num_requests": 2, "request_rate": 1}},
+                            "engines": engines})
+    assert [e.weight_dtype for e in sc.engines] == [None, "int8", "int4", "bf16", "int8", "awq", None]
+    # real engines hand it to the factory (None: the dense weights of dtype) ...
+    cfgs = {n: engine_config(sc, sc.engine(n), tmp_path, None) for n in ("p", "p8", "s4")}
+    assert [(c.weight_dtype, c.real_weight_dtype) for c in cfgs.values()] == [
+        (None, "fp32"), ("int8", "int8"), ("int4", "int4")]
+    # ... and the analytic cost model prices it (unset: bf16)
+    from engines.factory import analytic_cost_model
+
+    for name, want in (("sa", "awq"), ("sd", "bf16")):
+        assert analytic_cost_model(engine_config(sc, sc.engine(name), None, None)).weight_dtype == want
+    # a default left out keeps the hash of a scenario written before the field existed
+    plain = validate_scenario({"name": "w", "trace": {"format": "synthetic",
+                                                      "synthetic": {"num_requests": 2, "request_rate": 1}},
+                               "engines": [{"name": "p", "kind": "paged"}]})
+    assert "weight_dtype" not in json.dumps(plain.model_dump(mode="json", exclude_defaults=True))

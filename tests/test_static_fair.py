@@ -162,7 +162,7 @@ def test_real_padded_batch_matches_each_prompt_alone(tiny_llama_dir, device, bac
     padded = [(seqs, meta) for seqs, meta in seen if any(s.is_padding for s in seqs)]
     assert padded
     for seqs, meta in padded:
-        assert not meta.prefills and meta.num_decode_tokens == len(seqs)
+        assert meta.num_prefills == 0 and meta.num_decode_tokens == len(seqs)
         lens = meta.decode_context_lens.tolist()
         live = max(n for s, n in zip(seqs, lens) if not s.is_padding)
         for s, n, row in zip(seqs, lens, meta.decode_block_tables.tolist()):

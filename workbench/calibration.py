@@ -1,8 +1,9 @@
 """Per-machine calibration of the simulator: ``cost_model: auto`` finds or measures this machine's profile.
 
 A profile is valid for one *fingerprint*: CPU model and ISA flags, torch's CPU kernel level, torch threads,
-torch version, the model (name and a hash of its config), dtype, weight dtype, attention and GEMM kernels and the
-profile format (``engines.sim.cost_model.PROFILE_FORMAT``). Profiles
+torch version, the model (name and a hash of its config), dtype, weight dtype (``fp32``, ``bf16``, ``int8``,
+``int4``: the model, dtype and weight dtype must match, so a profile measured with fp32 weights is refused
+for an int8 engine), attention and GEMM kernels and the profile format (``engines.sim.cost_model.PROFILE_FORMAT``). Profiles
 live in ``$WORKBENCH_CACHE/profiles/<model>-<key>.json`` (``key``: the first 16 hex digits of the
 fingerprint's sha256); ``workbench profile`` writes the same files. Block size is a feature of the cost model
 (each step's KV read), not of the fingerprint, so a block-size sweep calibrates once. A file lock makes
@@ -21,6 +22,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+from engines.core.config import DENSE_WEIGHT_DTYPE, real_weight_dtype, real_weight_dtype_problem
 from engines.real.cpu_features import cpu_flags, cpu_name
 from engines.sim.cost_model import PROFILE_FORMAT, CostModel
 
@@ -47,11 +49,19 @@ def target_threads() -> int:
 
 
 def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attention: str | None = None,
-                threads: int | None = None) -> dict:
-    """This machine's fingerprint for simulating ``model_dir`` in ``dtype`` (see the module docstring).
-    ``attention``: the real engine's attention kernels (default: what ``auto`` picks here)."""
+                threads: int | None = None, weight_dtype: str | None = None) -> dict:
+    """This machine's fingerprint for simulating ``model_dir`` in ``dtype`` with linear weights stored as
+    ``weight_dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``; None: the dense weights of ``dtype``), see the
+    module docstring. ``attention``: the real engine's attention kernels (default: what ``auto`` picks here).
+
+    Raises:
+        ValueError: a weight dtype the real engine cannot run in ``dtype`` (one line).
+    """
     import torch
 
+    problem = real_weight_dtype_problem(weight_dtype, dtype, "a measured profile (of the real engine)")
+    if problem:
+        raise ValueError(problem)
     from engines.real.linear import resolve_linear_backend
     from engines.real.model import pick_attention
 
@@ -60,7 +70,8 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     cfg = (Path(model_dir) / "config.json").read_bytes()
     return {"cpu": cpu_name(), "isa": _cpu_flags(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
-            "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype, "weight_dtype": dtype,
+            "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype,
+            "weight_dtype": real_weight_dtype(weight_dtype, dtype),
             "attention": attention, "linear": resolve_linear_backend("auto", torch.device("cpu")),
             "profile_format": PROFILE_FORMAT}
 
@@ -91,12 +102,19 @@ def check_profile(cm: CostModel, fp: dict, where: str) -> list[str]:
     have = cm.fingerprint
     if not have:
         return list(MACHINE_FIELDS)
+    have = {**have, "weight_dtype": _weight_dtype_name(have.get("weight_dtype"))}
     bad = [k for k in COMPUTATION_FIELDS if k in have and have[k] != fp[k]]
     if bad:
         raise ProfileMismatchError(f"{where}: the profile measured another computation ("
                                    + ", ".join(f"{k} {have[k]} != {fp[k]}" for k in bad)
                                    + "); measure one with `workbench profile` or use cost_model: auto")
     return [k for k in MACHINE_FIELDS if have.get(k) != fp.get(k)]
+
+
+def _weight_dtype_name(value: str | None) -> str | None:
+    """A fingerprint's weight dtype in today's vocabulary: profiles written before ``weight_dtype`` took
+    ``fp32``/``bf16``/``int8``/``int4`` recorded the dense weights by the dtype's name (``float32``)."""
+    return DENSE_WEIGHT_DTYPE.get(value, value) if value is not None else None
 
 
 def warn_machine(where: str, diff: list[str], cm: CostModel) -> None:
@@ -118,26 +136,30 @@ def measure_profile(model_dir: Path, fp: dict, quick: bool = False, repeats: int
     before = torch.get_num_threads()
     torch.set_num_threads(fp["threads"])
     try:
-        model = LlamaModel.from_dir(model_dir, getattr(torch, fp["dtype"]), fp["attention"])
+        model = LlamaModel.from_dir(model_dir, getattr(torch, fp["dtype"]), fp["attention"],
+                                    weight_dtype=_weight_dtype_name(fp.get("weight_dtype")))
         ex = ModelExecutor(model, kv_cache_tokens // 16, 16)
         cm = profile(ex, QUICK_GRID if quick else FULL_GRID, repeats, progress=progress)
     finally:
         torch.set_num_threads(before)
     cm.fingerprint = fp
     cm.created = dt.datetime.now().isoformat(timespec="seconds")
-    cm.source = (f"workbench profile{' --quick' if quick else ''}: {fp['model']} {fp['dtype']} on {fp['cpu']} "
+    cm.source = (f"workbench profile{' --quick' if quick else ''}: {fp['model']} {fp['dtype']} "
+                 f"(weights {_weight_dtype_name(fp.get('weight_dtype')) or fp['dtype']}) on {fp['cpu']} "
                  f"({fp['cpu_capability']}), {fp['threads']} threads, torch {fp['torch']}")
     return cm
 
 
 def ensure_profile(model_name: str, model_dir: Path, dtype: str = "float32", quick: bool = False,
                    progress: Callable[[int, int], None] | None = None,
-                   echo: Callable[[str], None] | None = None) -> tuple[CostModel, Path]:
-    """This machine's profile for the fingerprint of ``(model, dtype)``: the cached file, else measured now
-    (under a file lock, so that concurrent processes measure it once) and cached. Returns ``(model, path)``."""
+                   echo: Callable[[str], None] | None = None,
+                   weight_dtype: str | None = None) -> tuple[CostModel, Path]:
+    """This machine's profile for the fingerprint of ``(model, dtype, weight_dtype)``: the cached file, else
+    measured now (under a file lock, so that concurrent processes measure it once) and cached. Returns
+    ``(model, path)``."""
     import fcntl
 
-    fp = fingerprint(model_name, model_dir, dtype)
+    fp = fingerprint(model_name, model_dir, dtype, weight_dtype=weight_dtype)
     path = profile_path(fp)
     if path.exists():
         return CostModel.load(path), path
@@ -148,7 +170,7 @@ def ensure_profile(model_name: str, model_dir: Path, dtype: str = "float32", qui
             return CostModel.load(path), path
         if echo:
             echo(f"calibrating the simulator for this machine ({fp['cpu']}, {fp['threads']} threads, "
-                 f"{model_name} {dtype}); cached in {path}")
+                 f"{model_name} {dtype}, weights {fp['weight_dtype']}); cached in {path}")
         if progress is None and sys.stderr.isatty():
             from rich.progress import Progress
 

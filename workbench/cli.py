@@ -120,12 +120,38 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
                                               "cache entry, $WORKBENCH_CACHE/profiles/, which cost_model: auto reads)"),
             dtype: str = typer.Option("float32", help="float32 or bfloat16"),
             quick: bool = typer.Option(False, help="the small grid (about 40 s on 2 cores)"),
-            repeats: int = typer.Option(3, help="timed runs per grid step (median)")) -> None:
+            repeats: int = typer.Option(3, help="timed runs per grid step (median)"),
+            weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help="fp32 | bf16 | int8 | int4 "
+                                                       "(default: the dense weights of --dtype)")) -> None:
     """Time real steps over a grid of batch shapes on this machine, fit the simulator's cost model, print its
-    error; the file is what a sim engine's cost_model: auto uses on this machine."""
+    error; the file is what a sim engine's cost_model: auto uses on this machine (for the same dtype and
+    weight dtype)."""
     from workbench.commands.profile import main
 
-    main(model, out, dtype, quick, repeats)
+    main(model, out, dtype, quick, repeats, weight_dtype)
+
+
+@app.command()
+def quality(model: str = typer.Option("smollm2-135m", help="model name or folder"),
+            weight_dtype: List[str] = typer.Option([], "--weight-dtype", help="fp32 | bf16 | int8 | int4 "
+                                                   "(repeatable; default all four; fp32 always runs: the reference)"),
+            dtype: str = typer.Option("float32", "--dtype", help="model dtype of the int8 and int4 variants "
+                                      "(float32 | bfloat16); bf16 is dtype bfloat16, dense"),
+            prompts: int = typer.Option(32, "--prompts", help="agreement prompts (chat, greedy)"),
+            max_tokens: int = typer.Option(64, "--max-tokens", help="new tokens per agreement prompt at most"),
+            window_tokens: int = typer.Option(512, "--window-tokens", help="perplexity window (tokens)"),
+            windows: int = typer.Option(0, "--windows", help="perplexity windows at most (0 = the whole text)"),
+            speed_prompts: int = typer.Option(64, "--speed-prompts", help="speed run prompts (0 = no speed run)"),
+            speed_tokens: int = typer.Option(64, "--speed-tokens", help="output tokens per speed prompt"),
+            text: Optional[str] = typer.Option(None, "--text", help="perplexity text (default: the committed "
+                                               "Botchan slice, workbench/data/text)"),
+            out: Optional[str] = typer.Option(None, "--out", help="write the report (JSON, with the formulas) here")) -> None:
+    """Per weight format on the real model: greedy agreement with fp32, perplexity, weight bytes and offline
+    output tok/s, with the CPU and its ISA flags; prints a table and the formulas."""
+    from workbench.commands.quality import main
+
+    main(model, list(weight_dtype), dtype, prompts, max_tokens, window_tokens, windows, speed_prompts,
+         speed_tokens, text, out)
 
 
 @app.command()

@@ -30,24 +30,26 @@ BUILTIN_PROFILES = Path(__file__).parent / "data" / "profiles"
 def load_cost_model(scenario: Scenario, spec: SimEngineSpec, model_dir: Path | None = None,
                     echo: Callable[[str], None] | None = None) -> tuple[CostModel, dict]:
     """The sim engine's measured cost model and where it came from (``{path, fingerprint, created}``):
-    ``auto`` is this machine's profile for the scenario's model and the engine's dtype (measured now if it is
+    ``auto`` is this machine's profile for the scenario's model and the engine's dtype and weight dtype (measured now if it is
     not cached, see ``workbench.calibration``); a profile JSON or ``builtin:NAME`` (a committed profile) is
     used as named, with a warning when it was measured on another machine or setup.
 
     Raises:
-        ValueError: the profile file is missing or malformed, or it measured another model or dtype.
+        ValueError: the profile file is missing or malformed, or it measured another model, dtype or weight
+            dtype.
     """
     from engines.real.model_store import resolve_model
     from workbench.calibration import check_profile, ensure_profile, fingerprint, warn_machine
 
     model_dir = model_dir or resolve_model(scenario.model)
     if spec.cost_model == AUTO:
-        cm, path = ensure_profile(scenario.model, model_dir, spec.dtype, echo=echo)
+        cm, path = ensure_profile(scenario.model, model_dir, spec.dtype, echo=echo, weight_dtype=spec.weight_dtype)
     else:
         path = scenario.cost_model_path(spec) or BUILTIN_PROFILES / f"{spec.cost_model.split(':', 1)[1]}.json"
         cm = CostModel.load(path)
         where = f"engine {spec.name}: cost_model {spec.cost_model}"
-        warn_machine(where, check_profile(cm, fingerprint(scenario.model, model_dir, spec.dtype), where), cm)
+        fp = fingerprint(scenario.model, model_dir, spec.dtype, weight_dtype=spec.weight_dtype)
+        warn_machine(where, check_profile(cm, fp, where), cm)
     return cm, {"path": str(path), "fingerprint": cm.fingerprint, "created": cm.created, "source": cm.source}
 
 
@@ -101,7 +103,7 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
                activation_reserve_bytes=reserve, **knobs)
     if spec.cost_model == ANALYTIC:
         return EngineConfig(model=catalog_model_name(scenario, spec), hardware=spec.hardware, tp=spec.tp,
-                            weight_dtype=spec.weight_dtype, kv_cache_dtype=spec.kv_cache_dtype,
+                            kv_cache_dtype=spec.kv_cache_dtype,
                             efficiency=spec.efficiency, speculative_model=spec.speculative_model,
                             num_speculative_tokens=spec.num_speculative_tokens,
                             spec_acceptance_rate=spec.spec_acceptance_rate, **sim)
@@ -180,15 +182,20 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
 
 def engine_runtime(engine) -> dict:
     """What a real engine's model ran on and with: ``device``, ``device_name``, ``dtype`` (the element type
-    that ran, after ``auto``), the ``attention`` and ``linear`` (GEMM) kernels, and the CPU's ``isa`` flags
-    (``engines.real.cpu_features.ISA_FLAGS``: avx2, avx512f, avx512_bf16, amx_bf16, amx_int8, ...)."""
+    that ran, after ``auto``), the ``attention`` and ``linear`` (GEMM) kernels, the CPU's ``isa`` flags
+    (``engines.real.cpu_features.ISA_FLAGS``: avx2, avx512f, avx512_bf16, amx_bf16, amx_int8, ...),
+    ``weight_dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``), ``weight_bytes`` (the weights as stored,
+    quantization scales included: ``LlamaModel.weight_bytes``) and ``kv_cache_bytes`` (the KV pool as
+    allocated, its padding block included)."""
     import torch
 
     model = engine.executor.model
     dev = model.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     return {"device": str(dev), "device_name": name, "dtype": str(model.dtype).removeprefix("torch."),
-            "attention": model.attention.name, "linear": model.linear_backend, "isa": list(cpu_flags())}
+            "attention": model.attention.name, "linear": model.linear_backend, "isa": list(cpu_flags()),
+            "weight_dtype": model.weight_dtype, "weight_bytes": model.weight_bytes(),
+            "kv_cache_bytes": engine.executor.kv.nbytes}
 
 
 def warm_up(engine) -> None:

@@ -165,3 +165,36 @@ PREEMPTION_MODES = ("recompute", "swap")
 COMPLETIONS = ("batch_end", "own_end")  # static batching: when a member's answer is returned
 DEFAULT_SWAP_BANDWIDTH = 32e9  # bytes/s: PCIe 4.0 x16, one direction (~32 GB/s)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # bytes per element of the real model's weights and KV cache
+
+# weight_dtype: how a model's linear-layer weights are stored, one vocabulary for real and simulated engines.
+# The real engine (and so a measured profile of it) runs REAL_WEIGHT_DTYPES: fp32 / bf16 are the dense weights
+# of dtype float32 / bfloat16, int8 / int4 weight-only quantized layers (engines.real.quant). The analytic cost
+# model prices ANALYTIC_WEIGHT_DTYPES (engines.sim.catalog.linear_bytes_per_param).
+REAL_WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+ANALYTIC_WEIGHT_DTYPES = ("bf16", "fp8", "awq", "gptq", "int4")
+WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4", "fp8", "awq", "gptq")
+DENSE_WEIGHT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # dtype -> the weight_dtype of its dense weights
+ANALYTIC_DEFAULT_WEIGHT_DTYPE = "bf16"
+
+
+def real_weight_dtype(weight_dtype: str | None, dtype: str) -> str:
+    """The weight dtype a real engine (or a measured profile of one) in ``dtype`` runs: ``weight_dtype``, or
+    the dense weights of ``dtype`` when None."""
+    return weight_dtype or DENSE_WEIGHT_DTYPE.get(dtype, dtype)
+
+
+def real_weight_dtype_problem(weight_dtype: str | None, dtype: str, who: str = "the real engine") -> str | None:
+    """Why a real engine in ``dtype`` cannot run ``weight_dtype``, in one line naming the field; None when it
+    can. ``who``: what runs it, for the message (``the real engine``, ``a measured profile``)."""
+    if weight_dtype is None:
+        return None
+    if weight_dtype not in REAL_WEIGHT_DTYPES:
+        what = ("a what-if of the analytic cost model" if weight_dtype in ANALYTIC_WEIGHT_DTYPES
+                else "not a weight dtype")
+        return f"weight_dtype {weight_dtype} is {what}; {who} runs {', '.join(REAL_WEIGHT_DTYPES)}"
+    dense = DENSE_WEIGHT_DTYPE.get(dtype)
+    if weight_dtype in DENSE_WEIGHT_DTYPE.values() and dense is not None and weight_dtype != dense:
+        return (f"weight_dtype {weight_dtype} means dense weights in dtype "
+                f"{next(k for k, v in DENSE_WEIGHT_DTYPE.items() if v == weight_dtype)}, but dtype is {dtype} "
+                f"(set dtype, or weight_dtype {dense}, int8 or int4)")
+    return None

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.core.config import REAL_WEIGHT_DTYPES
+
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
 # rows the oneDNN reorder is tuned for: a hint of 1 made 1,024-row prefills 2.6x slower, 64 was within
@@ -68,9 +70,6 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
-
-
 def model_weight_dtype(dtype: torch.dtype) -> str:
     """The ``weight_dtype`` name of dense weights in ``dtype`` (``fp32`` or ``bf16``)."""
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
@@ -97,4 +96,4 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: s
         from engines.real import quant
 
         return quant.quantized_linear(weight, bias, weight_dtype)
-    raise ValueError(f"weight_dtype {weight_dtype!r} is not one the real engine runs ({', '.join(WEIGHT_DTYPES)})")
+    raise ValueError(f"weight_dtype {weight_dtype!r} is not one the real engine runs ({', '.join(REAL_WEIGHT_DTYPES)})")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,28 +22,41 @@ from safetensors import safe_open
 
 from engines.core.config import ModelConfig
 from engines.real.linear import Linear, make_linear, model_weight_dtype, resolve_linear_backend
-from kernels.paged_attention import causal_attention, paged_attention_decode, paged_attention_prefill, write_kv
+from kernels.paged_attention import (paged_attention_decode, paged_attention_prefill, paged_attention_prefill_varlen,
+                                     write_kv)
 
 
 @dataclass
 class AttentionMetadata:
     """How the flattened tokens of one step map to sequences and KV slots.
 
-    The first ``num_decode_tokens`` tokens are decode tokens (one per sequence); the rest are prefill
-    chunks, each ``(token_offset, num_tokens, start_pos, block_table)``.
+    The first ``num_decode_tokens`` tokens are decode tokens (one per sequence); the rest are
+    ``num_prefills`` prefill chunks, back to back, described by the ``prefill_*`` tensors that one
+    variable-length attention call per layer reads (chunk ``p``'s rows are ``num_decode_tokens +
+    prefill_query_start[p] .. num_decode_tokens + prefill_query_start[p + 1] - 1``).
 
     Attributes:
         slot_mapping: ``[num_tokens]`` int64 KV slot of every new token.
         decode_block_tables: ``[num_decode, max_blocks]`` int64.
         decode_context_lens: ``[num_decode]`` int64.
-        prefills: list of ``(offset, n, start_pos, block_table [nb] int64)``.
+        num_prefills: P, the number of prefill chunks.
+        prefill_query_start: ``[P + 1]`` int64, cumulative chunk lengths from 0 (rows counted from the
+            first prefill token).
+        prefill_start_pos: ``[P]`` int64, position of each chunk's first token (tokens cached before it).
+        prefill_block_tables: ``[P, max_blocks]`` int64, each chunk's blocks covering its
+            ``start_pos + length`` positions, padded with its first block id.
+        prefill_max_query_len: the longest chunk, in tokens (the Triton kernel's launch size).
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
-    prefills: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    num_prefills: int = 0
+    prefill_query_start: torch.Tensor | None = None
+    prefill_start_pos: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_max_query_len: int = 0
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -75,6 +88,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpp", "triton")
+CPP_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU kernels take
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -104,13 +118,16 @@ class AttentionOps:
 
     Attributes:
         decode: ``paged_attention_decode``-shaped function (one query token per sequence).
-        prefill: ``paged_attention_prefill``-shaped function (a chunk after cached context).
+        prefill: ``paged_attention_prefill``-shaped function (one chunk after cached context).
+        prefill_varlen: ``paged_attention_prefill_varlen``-shaped function (every prefill chunk of a step
+            in one call); what the model's forward pass uses.
         fused_cpu: True when the compiled CPU ops (``kernels.cpu_ops``) run the whole layer.
         name: what was picked, for logs and results (``cpp``, ``torch``, ``triton``).
     """
 
     decode: object
     prefill: object
+    prefill_varlen: object
     fused_cpu: bool
     name: str
 
@@ -118,32 +135,36 @@ class AttentionOps:
 def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> AttentionOps:
     """Attention implementations for a model on ``device``.
 
-    ``torch``: the PyTorch reference (any device, any dtype). ``cpp``: the compiled CPU kernel (CPU,
-    float32). ``triton``: ``kernels.triton_attention`` (CUDA; on CPU it runs in Triton's interpreter,
-    which is how the tests exercise it). ``auto``: on CUDA the Triton kernels (the reference if Triton
-    is not installed); on CPU the compiled kernel when float32 and it builds, else the reference.
+    ``torch``: the PyTorch reference (any device, any dtype). ``cpp``: the compiled CPU kernels (CPU,
+    float32 or bfloat16). ``triton``: ``kernels.triton_attention`` (CUDA; on CPU it runs in Triton's
+    interpreter, which is how the tests exercise it). ``auto``: on CUDA the Triton kernels (the reference
+    if Triton is not installed); on CPU the compiled kernels when the dtype is float32 or bfloat16 and they
+    build, else the reference.
 
     Raises:
         ValueError: unknown backend, or ``cpp``/``triton`` requested but unavailable on this device.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
-    reference = AttentionOps(paged_attention_decode, paged_attention_prefill, False, "torch")
+    reference = AttentionOps(paged_attention_decode, paged_attention_prefill, paged_attention_prefill_varlen, False,
+                             "torch")
     if backend == "torch":
         return reference
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         ops = _triton_ops(required=backend == "triton")
         if ops is None:
             return reference
-        return AttentionOps(ops.paged_attention_decode, ops.paged_attention_prefill, False, "triton")
+        return AttentionOps(ops.paged_attention_decode, ops.paged_attention_prefill, ops.paged_attention_prefill_varlen,
+                            False, "triton")
     from kernels import cpu_ops
 
     if device.type != "cpu":
         raise ValueError(f"attention_backend 'cpp' is a CPU kernel; the model is on {device}")
-    if dtype == torch.float32 and cpu_ops.available():
-        return AttentionOps(cpu_ops.paged_attention_decode, paged_attention_prefill, True, "cpp")
+    if dtype in CPP_DTYPES and cpu_ops.available():
+        return AttentionOps(cpu_ops.paged_attention_decode, paged_attention_prefill,
+                            cpu_ops.paged_attention_prefill_varlen, True, "cpp")
     if backend == "cpp":
-        raise ValueError("attention_backend 'cpp' needs float32 and a C++ compiler")
+        raise ValueError(f"attention_backend 'cpp' needs float32 or bfloat16 (got {dtype}) and a C++ compiler")
     return reference
 
 
@@ -303,7 +324,7 @@ class LlamaModel:
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             write_kv(kc, vc, k, v, meta.slot_mapping)
-            attn = self._attention(q, k, v, kc, vc, meta)
+            attn = self._attention(q, kc, vc, meta)
             x = x + layer["o"](attn.reshape(t, h * d))
             y = self._rms(x, layer["ln2"])
             gate, up = layer["gate_up"](y).chunk(2, dim=-1)
@@ -312,7 +333,7 @@ class LlamaModel:
 
     def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         """The same computation with compiled CPU ops: residual add + RMSNorm in one pass, RoPE in
-        place, SiLU-and-mul in one pass (float32 only)."""
+        place, SiLU-and-mul in one pass (float32 or bfloat16, with the reference's rounding points)."""
         from kernels import cpu_ops
 
         cfg = self.cfg
@@ -329,27 +350,31 @@ class LlamaModel:
             cpu_ops.rope_inplace(q, positions, self.cos, self.sin)
             cpu_ops.rope_inplace(k, positions, self.cos, self.sin)
             write_kv(kc, vc, k, v, meta.slot_mapping)
-            attn = self._attention(q, k, v, kc, vc, meta)
+            attn = self._attention(q, kc, vc, meta)
             o = layer["o"](attn.reshape(t, h * d))
             y = cpu_ops.fused_add_rms_norm(x, o, layer["ln2"], eps)
             delta = layer["down"](cpu_ops.silu_and_mul(layer["gate_up"](y)))
         return cpu_ops.fused_add_rms_norm(x, delta, self.norm, eps)
 
-    def _attention(self, q, k, v, kc, vc, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of a step's queries over the KV cache (the step's own K/V already written): the decode
+        rows in one batched decode call, every prefill chunk in one variable-length call.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``, decode rows first.
+            kc, vc: this layer's caches ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        Returns:
+            ``[T, num_heads, head_dim]``.
+        """
         nd = meta.num_decode_tokens
-        decode = self.decode_attention
-        if nd and not meta.prefills:
-            return decode(q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        out = torch.empty_like(q)
+        dec = None
         if nd:
-            out[:nd] = decode(q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        for off, n, start, table in meta.prefills:
-            sl = slice(off, off + n)
-            if start == 0:  # nothing cached before: attend to this step's own K/V
-                out[sl] = causal_attention(q[sl], k[sl], v[sl], 0, self.scale)
-            else:
-                out[sl] = self.attention.prefill(q[sl], kc, vc, table, start, self.scale)
-        return out
+            dec = self.decode_attention(q[:nd], kc, vc, meta.decode_block_tables, meta.decode_context_lens, self.scale)
+        if not meta.num_prefills:
+            return dec if dec is not None else torch.empty_like(q)
+        pre = self.attention.prefill_varlen(q[nd:], kc, vc, meta.prefill_block_tables, meta.prefill_query_start,
+                                            meta.prefill_start_pos, self.scale, max_seqlen_q=meta.prefill_max_query_len)
+        return pre if dec is None else torch.cat([dec, pre])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits."""

@@ -2,12 +2,14 @@
 
 One step is one flattened batch of mixed prefill and decode tokens: decode tokens first (one per
 sequence, batched paged attention; static padding rows among them, over the scratch block), then prefill
-chunks (attention per sequence). New K/V are written into their slots (``slot_mapping``) before attention
-reads the blocks. Logits are computed only for the last token of sequences that sample in this step.
+chunks (one variable-length attention call over all of them). New K/V are written into their slots
+(``slot_mapping``) before attention reads the blocks. Logits are computed only for the last token of
+sequences that sample in this step.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -138,9 +140,9 @@ class ModelExecutor:
         bs = self.kv.block_size
         ids, pos, slots = [], [], []
         last_idx: dict[str, int] = {}
-        dec_tables, dec_lens, prefills = [], [], []
+        dec_tables, dec_lens = [], []
+        pre_tables, pre_lens, pre_starts = [], [], []
         for s in seqs:
-            off = len(ids)
             table = self._block_table(s)
             ids.extend(s.token_ids)
             p = range(s.start_pos, s.start_pos + s.num_tokens)
@@ -148,11 +150,22 @@ class ModelExecutor:
             slots.extend(table[i // bs] * bs + i % bs for i in p)
             last_idx[s.request_id] = len(ids) - 1
             if s.is_decode:
+                if pre_tables:
+                    raise ValueError("a step's decode rows must come before its prefill chunks")
                 dec_tables.append(table)
                 dec_lens.append(s.context_len)
             else:
-                prefills.append((off, s.num_tokens, s.start_pos, self._tensor(table[: -(-s.context_len // bs)])))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), prefills=prefills)
+                pre_tables.append(table[: -(-s.context_len // bs)])
+                pre_lens.append(s.num_tokens)
+                pre_starts.append(s.start_pos)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots))
+        if pre_tables:  # prefill chunks follow the decode rows: one varlen attention call covers them all
+            width = max(len(t) for t in pre_tables)
+            meta.num_prefills = len(pre_tables)
+            meta.prefill_query_start = self._tensor([0] + list(itertools.accumulate(pre_lens)))
+            meta.prefill_start_pos = self._tensor(pre_starts)
+            meta.prefill_block_tables = self._tensor([t + [t[0]] * (width - len(t)) for t in pre_tables])
+            meta.prefill_max_query_len = max(pre_lens)
         if dec_tables:
             width = max(-(-n // bs) for n in dec_lens)
             padded = [t[:width] + [t[0]] * (width - len(t[:width])) for t in dec_tables]

@@ -1,15 +1,77 @@
-// Paged decode attention for the CPU, float32: reads K/V blocks in place through the block table
-// (no gather copy). One task per sequence computes the scores of every query head (grouped over its
-// KV head), a max-subtracted softmax (vectorizable exp), and the weighted sum of V.
-// head_dim is a template constant for the common sizes so the inner loops fully vectorize.
+// Compiled CPU ops of the real model, float32 and bfloat16 (math in float32, loads/stores in the tensor's
+// dtype):
+//
+// * paged_attention_decode: one query token per sequence; reads K/V blocks in place through the block
+//   table (no gather copy). One task per sequence computes the scores of every query head (grouped over
+//   its KV head), a max-subtracted softmax (vectorizable exp), and the weighted sum of V.
+// * paged_attention_prefill_varlen: every prefill chunk of a step in one call, each chunk attending to its
+//   cached context and causally within itself, flash-style (see the section's comment).
+// * fused_add_rms_norm, rope_inplace, silu_and_mul: the elementwise ops of a layer, one pass each.
+//
+// bfloat16 is held as its raw 16 bits (uint16_t) so that conversions are plain integer shifts the
+// compiler vectorizes; float -> bfloat16 rounds to nearest even, as torch does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// ------------------------------------------------------------------------------------------ element types
+
+using bf16_t = uint16_t;  // bfloat16 storage: the upper 16 bits of a float32
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// float -> storage type; bfloat16 rounds to nearest even and keeps NaN a (quiet) NaN, as c10::BFloat16
+template <typename T>
+inline T from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline bf16_t from_float<bf16_t>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? bf16_t(0x7fc0) : static_cast<bf16_t>(rounded);
+}
+
+// x rounded to the storage type and back (what a torch op in that dtype stores)
+template <typename T>
+inline float round_to(float x) { return to_float(from_float<T>(x)); }
+
+// Runs f(T{}) with T the storage type of a float32 or bfloat16 tensor; other dtypes are a one-line error.
+template <typename F>
+void dispatch_float(const torch::Tensor& t, const char* op, F&& f) {
+  if (t.scalar_type() == torch::kFloat32) {
+    f(float{});
+  } else if (t.scalar_type() == torch::kBFloat16) {
+    f(bf16_t{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 tensors only, got ", t.scalar_type());
+  }
+}
+
+template <typename T>
+const T* cptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+template <typename T>
+T* mptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+void check_same_dtype(const torch::Tensor& a, const torch::Tensor& b, const char* op, const char* what) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), op, ": ", what, " must have the same dtype (", a.scalar_type(),
+              " vs ", b.scalar_type(), ")");
+}
 
 // exp(x) for x in [-87, 88] (clamped): Cephes-style range reduction and polynomial, relative error
 // about 2e-7; written without library calls so loops over it vectorize.
@@ -30,13 +92,15 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// ------------------------------------------------------------------------------------------ decode
+
 // One sequence, all heads: token rows (all KV heads, contiguous in a block) are read once each for
-// K and once for V, in block order, so memory is streamed contiguously.
-template <int DC>
-void attend_seq(const float* __restrict qb, const float* __restrict kp, const float* __restrict vp,
+// K and once for V, in block order, so memory is streamed contiguously. qb is the query in float32.
+template <typename T, int DC>
+void attend_seq(const float* __restrict qb, const T* __restrict kp, const T* __restrict vp,
                 const int64_t* __restrict table, int64_t ctx, int64_t bs, int64_t KVH, int64_t G, int64_t Drt,
                 float sc, std::vector<int64_t>& off, std::vector<float>& scores, std::vector<float>& acc,
-                float* __restrict ob) {
+                T* __restrict ob) {
   const int64_t D = DC > 0 ? DC : Drt;
   const int64_t H = KVH * G, tok_stride = KVH * D;
   off.resize(ctx);
@@ -49,14 +113,14 @@ void attend_seq(const float* __restrict qb, const float* __restrict kp, const fl
   scores.resize(H * ctx);
   float* __restrict s = scores.data();
   for (int64_t t = 0; t < ctx; ++t) {
-    const float* __restrict krow = kp + off[t];
+    const T* __restrict krow = kp + off[t];
     for (int64_t h = 0; h < KVH; ++h) {
-      const float* __restrict kt = krow + h * D;
+      const T* __restrict kt = krow + h * D;
       for (int64_t g = 0; g < G; ++g) {
         const float* __restrict qg = qb + (h * G + g) * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(kt[d]);
         s[(h * G + g) * ctx + t] = dot * sc;
       }
     }
@@ -79,52 +143,41 @@ void attend_seq(const float* __restrict qb, const float* __restrict kp, const fl
   acc.assign(H * D, 0.f);
   float* __restrict a = acc.data();
   for (int64_t t = 0; t < ctx; ++t) {
-    const float* __restrict vrow = vp + off[t];
+    const T* __restrict vrow = vp + off[t];
     for (int64_t h = 0; h < KVH; ++h) {
-      const float* __restrict vt = vrow + h * D;
+      const T* __restrict vt = vrow + h * D;
       for (int64_t g = 0; g < G; ++g) {
         const float p = s[(h * G + g) * ctx + t];
         float* __restrict ag = a + (h * G + g) * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * to_float(vt[d]);
       }
     }
   }
-  std::memcpy(ob, a, sizeof(float) * H * D);
+  for (int64_t i = 0; i < H * D; ++i) ob[i] = from_float<T>(a[i]);
 }
 
-}  // namespace
-
-torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32,
-              "paged_attention_decode: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention_decode: tensors must be contiguous");
+template <typename T>
+void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const torch::Tensor& bt, const torch::Tensor& cl, float sc, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t G = H / KVH, MB = block_tables.size(1);
-  auto bt = block_tables.to(torch::kInt64).contiguous();
-  auto cl = context_lens.to(torch::kInt64).contiguous();
-  auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const int64_t G = H / KVH, MB = bt.size(1);
+  const T* qp = cptr<T>(q);
+  const T* kp = cptr<T>(k_cache);
+  const T* vp = cptr<T>(v_cache);
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* clp = cl.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-
+  T* op = mptr<T>(out);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> off;
-    std::vector<float> scores, acc;
+    std::vector<float> scores, acc, qf(H * D);
     for (int64_t b = begin; b < end; ++b) {
-      const float* qb = qp + b * H * D;
-      float* ob = op + b * H * D;
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
+      T* ob = op + b * H * D;
       const int64_t* table = btp + b * MB;
       const int64_t ctx = clp[b];
-#define WB_CALL(DC) attend_seq<DC>(qb, kp, vp, table, ctx, bs, KVH, G, D, sc, off, scores, acc, ob)
+#define WB_CALL(DC) attend_seq<T, DC>(qf.data(), kp, vp, table, ctx, bs, KVH, G, D, sc, off, scores, acc, ob)
       switch (D) {
         case 64: WB_CALL(64); break;
         case 128: WB_CALL(128); break;
@@ -135,91 +188,578 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
 #undef WB_CALL
     }
   });
-  return out;
 }
 
+// ------------------------------------------------------------------------------------------ varlen prefill
+//
+// Work: tasks (chunk, KV head, row tile). A chunk's rows are its (query token, query head of the KV
+// head's group) pairs, row f = token * G + head-in-group, so one task serves all G query heads that
+// read the same K/V and a tile is never padded to a multiple of G. A task walks its keys in tiles of
+// KEY_TILE positions, from position 0 to its last row's position (keys past a row's position are masked
+// in the diagonal tiles only), and keeps a running max / sum / output per row (online softmax, as
+// FlashAttention): K and V are read once per task, straight from the cache blocks through the block
+// table (float32) or converted once per key tile to a float32 tile (bfloat16).
+//
+// Layout: everything a task computes is transposed so that vector lanes run over rows (queries):
+// Qt[d][r] (the query tile, times scale * log2(e), so that the softmax runs on exp2), S[key][r] (scores,
+// then probabilities), Ot[d][r] (the output accumulator). Scores are then K[key] . Qt: a broadcast of one K element times a vector of
+// rows; the output is Ot[d] += V[key][d] (broadcast) * P[key] (vector of rows); the softmax's max and
+// sum over keys are element-wise over row vectors. No K or V transpose or copy is needed, and the two
+// products are register-blocked micro-kernels (QK_NR keys x RV row vectors, PV_DR dims x RV row
+// vectors of accumulators) that are bound by the FMA units; the score micro-kernel also masks and
+// takes the running max in its epilogue, so the softmax is one exp2 pass. The rows of a task are
+// processed in blocks of RB = RV * VW rows (a row block's Qt, S and Ot: 16 KB each at head_dim 64).
+//
+// Tasks are sorted by cost (rows x keys) and handed out longest first from an atomic counter, so the
+// causal triangle (late tiles of a chunk read more keys) does not leave a thread idle.
 
-// x += delta (in place, when delta is given), then out = w * (x / sqrt(mean(x^2) + eps)); rows in parallel.
-// Same order of operations as transformers' LlamaRMSNorm in float32.
-torch::Tensor fused_add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && w.is_contiguous(), "fused_add_rms_norm: float32, contiguous");
-  const int64_t T = x.size(0), N = x.size(1);
-  auto out = torch::empty_like(x);
-  float* xp = x.data_ptr<float>();
-  const float* dp = delta.has_value() ? delta->contiguous().data_ptr<float>() : nullptr;
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* __restrict xr = xp + t * N;
-      float* __restrict orow = op + t * N;
-      if (dp) {
-        const float* __restrict dr = dp + t * N;
-#pragma omp simd
-        for (int64_t i = 0; i < N; ++i) xr[i] += dr[i];
-      }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < N; ++i) ss += xr[i] * xr[i];
-      const float r = 1.f / std::sqrt(ss / N + feps);
-#pragma omp simd
-      for (int64_t i = 0; i < N; ++i) orow[i] = wp[i] * (xr[i] * r);
+// Vector width in floats: the widest the compile target has (-march=native); the micro-kernels use GCC
+// vector extensions, which lower to AVX-512, AVX2, SSE or NEON instructions as available.
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#elif defined(__AVX__)
+constexpr int VW = 8;
+#else
+constexpr int VW = 4;
+#endif
+typedef float vfloat __attribute__((vector_size(VW * sizeof(float))));
+
+// Register blocking: AVX-512 has 32 vector registers (4 x 4 accumulators + 4 operands), AVX2 16.
+constexpr int RV = VW == 16 ? 4 : 2;  // row vectors per micro-tile
+constexpr int RB = RV * VW;           // rows per row block
+constexpr int QK_NR = 4;              // keys per score micro-tile
+constexpr int PV_DR = 4;              // head-dim values per output micro-tile
+constexpr int ROW_TILE = 128;         // rows per task (a multiple of RB)
+constexpr int KEY_TILE = 64;          // keys per step of the online softmax (a multiple of QK_NR)
+static_assert(ROW_TILE % RB == 0 && KEY_TILE % QK_NR == 0, "tile sizes");
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, const vfloat& v) { std::memcpy(p, &v, sizeof(v)); }
+// {x, x, ...}: x - 0 is x for every float (unlike x + 0 for -0), so the compiler keeps the broadcast only
+inline vfloat vsplat(float x) { return x - vfloat{}; }
+
+// Keeps a loaded vector in a register: without it GCC folds the load into every FMA that uses it, which
+// makes the micro-kernels bound by loads (one per FMA) instead of by the FMA units.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define WB_IN_REGISTER(x) asm("" : "+v"(x))
+#else
+#define WB_IN_REGISTER(x) (void)0
+#endif
+
+typedef int32_t vint __attribute__((vector_size(VW * sizeof(int32_t))));
+
+inline vint vload_int(const int32_t* p) {
+  vint v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline vfloat vmax(const vfloat& a, const vfloat& b) { return a > b ? a : b; }
+
+// 2^x for x <= 0 (below -126 it returns 2^-126 times ~1): x = k + r with k an integer and |r| <= 1/2,
+// 2^r by a degree-5 polynomial (relative error 2.4e-7), 2^k through the exponent bits; no library calls,
+// so loops over it vectorize.
+inline float exp2_neg(float x) {
+  x = x < -126.f ? -126.f : x;
+  const float k = std::floor(x + 0.5f);
+  const float r = x - k;
+  float p = 1.3390863314e-3f;
+  p = p * r + 9.6760317683e-3f;
+  p = p * r + 5.5503569543e-2f;
+  p = p * r + 2.4022106826e-1f;
+  p = p * r + 6.9314718246e-1f;
+  p = p * r + 1.0000001192f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Scores of QK_NR keys j against the RVk * VW rows r of a row block:
+//   s[j * RB + r] = sum_d krow[j][d] * qt[d * RB + r]
+// (log2-domain scores: q carries scale * log2(e)). With MASKED, key j (position kpos0 + j, or past the
+// block's keys when j >= nvalid) gets -inf where it is after row r's position qpos[r]. tmax[r] becomes the
+// max over the scores stored.
+template <int RVk, bool MASKED>
+inline void qk_micro(const float* const* krow, const float* __restrict qt, int64_t D, float* __restrict s,
+                     int64_t kpos0, int64_t nvalid, const int32_t* __restrict qpos, float* __restrict tmax) {
+  const float* kr[QK_NR];
+  vfloat acc[QK_NR][RVk];
+#pragma GCC unroll 8
+  for (int j = 0; j < QK_NR; ++j) {
+    kr[j] = krow[j];
+#pragma GCC unroll 4
+    for (int v = 0; v < RVk; ++v) acc[j][v] = vfloat{};
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    vfloat qv[RVk];
+#pragma GCC unroll 4
+    for (int v = 0; v < RVk; ++v) {
+      qv[v] = vload(qt + d * RB + v * VW);
+      WB_IN_REGISTER(qv[v]);
     }
+#pragma GCC unroll 8
+    for (int j = 0; j < QK_NR; ++j) {
+      const vfloat b = vsplat(kr[j][d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < RVk; ++v) acc[j][v] += b * qv[v];
+    }
+  }
+  vfloat mx[RVk];
+#pragma GCC unroll 4
+  for (int v = 0; v < RVk; ++v) mx[v] = vload(tmax + v * VW);
+#pragma GCC unroll 8
+  for (int j = 0; j < QK_NR; ++j) {
+    const int32_t kp = j < nvalid ? static_cast<int32_t>(kpos0 + j) : INT32_MAX;
+#pragma GCC unroll 4
+    for (int v = 0; v < RVk; ++v) {
+      vfloat a = acc[j][v];
+      if (MASKED) a = (kp > vload_int(qpos + v * VW)) ? vsplat(-INFINITY) : a;
+      vstore(s + j * RB + v * VW, a);
+      mx[v] = vmax(mx[v], a);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < RVk; ++v) vstore(tmax + v * VW, mx[v]);
+}
+
+// ot[(d0 + i) * RB + r] = ot[...] * alpha[r] + sum_j vrow[j][d0 + i] * p[j * RB + r] for DRk dims i,
+// the RVk * VW rows r and the nk keys j.
+template <int DRk, int RVk>
+inline void pv_micro(const float* const* vrow, int64_t nk, int64_t d0, const float* __restrict p,
+                     const float* __restrict alpha, float* __restrict ot) {
+  vfloat acc[DRk][RVk];
+#pragma GCC unroll 4
+  for (int v = 0; v < RVk; ++v) {
+    const vfloat al = vload(alpha + v * VW);
+#pragma GCC unroll 4
+    for (int i = 0; i < DRk; ++i) acc[i][v] = vload(ot + (d0 + i) * RB + v * VW) * al;
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    vfloat pv[RVk];
+#pragma GCC unroll 4
+    for (int v = 0; v < RVk; ++v) {
+      pv[v] = vload(p + j * RB + v * VW);
+      WB_IN_REGISTER(pv[v]);
+    }
+    const float* __restrict vr = vrow[j] + d0;
+#pragma GCC unroll 4
+    for (int i = 0; i < DRk; ++i) {
+      const vfloat b = vsplat(vr[i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < RVk; ++v) acc[i][v] += b * pv[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < RVk; ++v) {
+#pragma GCC unroll 4
+    for (int i = 0; i < DRk; ++i) vstore(ot + (d0 + i) * RB + v * VW, acc[i][v]);
+  }
+}
+
+// One key tile of a row block with RVk row vectors: scores (masked past each row's position when
+// MASKED), the online-softmax update of the running max m and sum l (alpha: the factor the running
+// output is rescaled by), probabilities in s, then the output update.
+template <int RVk, bool MASKED>
+void block_step(const float* const* krow, const float* const* vrow, int64_t nk, int64_t kpos0, const float* qt,
+                const int32_t* qpos, int64_t D, float* __restrict s, float* __restrict m, float* __restrict l,
+                float* __restrict alpha, float* __restrict tmax, float* ot) {
+  constexpr int lanes = RVk * VW;
+  const int64_t nk_pad = (nk + QK_NR - 1) / QK_NR * QK_NR;
+  for (int r = 0; r < lanes; ++r) tmax[r] = m[r];
+  for (int64_t j = 0; j < nk_pad; j += QK_NR) {
+    qk_micro<RVk, MASKED>(krow + j, qt, D, s + j * RB, kpos0 + j, nk - j, qpos, tmax);
+  }
+  float sum[lanes];
+#pragma omp simd
+  for (int r = 0; r < lanes; ++r) sum[r] = 0.f;
+  for (int64_t j = 0; j < nk_pad; ++j) {
+    float* __restrict sj = s + j * RB;
+#pragma omp simd
+    for (int r = 0; r < lanes; ++r) {
+      float e = exp2_neg(sj[r] - tmax[r]);
+      if (MASKED) e = sj[r] == -INFINITY ? 0.f : e;  // a masked key weighs exactly 0
+      sj[r] = e;
+      sum[r] += e;
+    }
+  }
+#pragma omp simd
+  for (int r = 0; r < lanes; ++r) {
+    alpha[r] = exp2_neg(m[r] - tmax[r]);  // the first tile: m = -inf, alpha ~ 0 times a zero output
+    l[r] = l[r] * alpha[r] + sum[r];
+    m[r] = tmax[r];
+  }
+  int64_t d0 = 0;
+  for (; d0 + PV_DR <= D; d0 += PV_DR) pv_micro<PV_DR, RVk>(vrow, nk_pad, d0, s, alpha, ot);
+  switch (D - d0) {  // head_dim not a multiple of PV_DR
+    case 3: pv_micro<3, RVk>(vrow, nk_pad, d0, s, alpha, ot); break;
+    case 2: pv_micro<2, RVk>(vrow, nk_pad, d0, s, alpha, ot); break;
+    case 1: pv_micro<1, RVk>(vrow, nk_pad, d0, s, alpha, ot); break;
+    default: break;
+  }
+}
+
+// block_step for nv (1..RV) row vectors.
+template <bool MASKED>
+void block_step_nv(int nv, const float* const* krow, const float* const* vrow, int64_t nk, int64_t kpos0,
+                   const float* qt, const int32_t* qpos, int64_t D, float* s, float* m, float* l, float* alpha,
+                   float* tmax, float* ot) {
+  switch (nv) {
+    case 1: block_step<1, MASKED>(krow, vrow, nk, kpos0, qt, qpos, D, s, m, l, alpha, tmax, ot); break;
+    case 2: block_step<2, MASKED>(krow, vrow, nk, kpos0, qt, qpos, D, s, m, l, alpha, tmax, ot); break;
+    case 3: block_step<3, MASKED>(krow, vrow, nk, kpos0, qt, qpos, D, s, m, l, alpha, tmax, ot); break;
+    default: block_step<RV, MASKED>(krow, vrow, nk, kpos0, qt, qpos, D, s, m, l, alpha, tmax, ot);
+  }
+}
+
+struct PrefillTask {
+  int64_t chunk, kv_head, row0, rows, cost;
+};
+
+// Per-thread scratch of the prefill kernel (float32, sized once per call).
+struct PrefillScratch {
+  std::vector<float> qt, ot, s, m, l, alpha, tmax, kf, vf;
+  std::vector<int32_t> qpos;
+  std::vector<const float*> krow, vrow;
+  PrefillScratch(int64_t D, bool convert)
+      : qt(ROW_TILE * D), ot(ROW_TILE * D), s(KEY_TILE * RB), m(ROW_TILE), l(ROW_TILE), alpha(RB), tmax(RB),
+        kf(convert ? KEY_TILE * D : 0), vf(convert ? KEY_TILE * D : 0), qpos(ROW_TILE), krow(KEY_TILE),
+        vrow(KEY_TILE) {}
+};
+
+struct PrefillArgs {
+  const void* q;
+  int64_t q_stride_t, q_stride_h;  // elements
+  const void* k_cache;
+  const void* v_cache;
+  void* out;  // [T, H, D] contiguous
+  const int64_t* tables;
+  int64_t table_width;
+  const int64_t* query_start;
+  const int64_t* start_pos;
+  int64_t H, KVH, G, D, bs;
+  float scale;
+};
+
+// One task: rows [row0, row0 + rows) of a chunk (row f = token f / G, query head kv_head * G + f % G).
+template <typename T>
+void prefill_task(const PrefillArgs& a, const PrefillTask& task, PrefillScratch& w) {
+  const int64_t D = a.D, G = a.G, KVH = a.KVH;
+  const int64_t q0 = a.query_start[task.chunk], start = a.start_pos[task.chunk];
+  const int64_t* table = a.tables + task.chunk * a.table_width;
+  const int64_t nr = task.rows, nblocks = (nr + RB - 1) / RB;
+  const T* q = static_cast<const T*>(a.q);
+  const T* kc = static_cast<const T*>(a.k_cache);
+  const T* vc = static_cast<const T*>(a.v_cache);
+  float* qt = w.qt.data();
+  float* ot = w.ot.data();
+  // pack the query tile transposed, times scale * log2(e) so that scores are in log2 units (exp2 is cheaper
+  // than exp); rows past nr are zero, at the last row's position
+  const float scale2 = a.scale * 1.44269504088896341f;
+  for (int64_t r = 0; r < nblocks * RB; ++r) {
+    const int64_t f = task.row0 + std::min(r, nr - 1);
+    const int64_t tok = f / G, head = task.kv_head * G + f % G;
+    w.qpos[r] = static_cast<int32_t>(start + tok);
+    const T* qr = q + (q0 + tok) * a.q_stride_t + head * a.q_stride_h;
+    float* col = qt + (r / RB) * RB * D + r % RB;
+    for (int64_t d = 0; d < D; ++d) col[d * RB] = r < nr ? to_float(qr[d]) * scale2 : 0.f;
+  }
+  std::fill(ot, ot + nblocks * RB * D, 0.f);
+  std::fill(w.m.begin(), w.m.end(), -INFINITY);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  const int64_t kend = w.qpos[nr - 1] + 1;  // keys 0 .. the last row's position
+  const int64_t tok_stride = KVH * D;
+  for (int64_t k0 = 0; k0 < kend; k0 += KEY_TILE) {
+    const int64_t nk = std::min<int64_t>(KEY_TILE, kend - k0);
+    const int64_t nk_pad = (nk + QK_NR - 1) / QK_NR * QK_NR;
+    for (int64_t j = 0; j < nk_pad; ++j) {  // padding keys point at key k0 (finite; masked to weight 0)
+      const int64_t pos = k0 + (j < nk ? j : 0);
+      const int64_t off = ((table[pos / a.bs] * a.bs + pos % a.bs) * KVH + task.kv_head) * D;
+      if constexpr (std::is_same<T, float>::value) {
+        w.krow[j] = kc + off;
+        w.vrow[j] = vc + off;
+      } else {
+        float* kd = w.kf.data() + j * D;
+        float* vd = w.vf.data() + j * D;
+        const T* ks = kc + off;
+        const T* vs = vc + off;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          kd[d] = to_float(ks[d]);
+          vd[d] = to_float(vs[d]);
+        }
+        w.krow[j] = kd;
+        w.vrow[j] = vd;
+      }
+    }
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int32_t* qpos = w.qpos.data() + b * RB;
+      const int64_t last = std::min(nr - 1, b * RB + RB - 1) - b * RB;  // the block's last real row
+      if (k0 > qpos[last]) continue;  // this block's rows are all before the tile
+      const int nv = static_cast<int>((last + VW) / VW);
+      const int64_t nkb = std::min<int64_t>(nk, qpos[last] + 1 - k0);  // the keys this block's rows reach
+      const bool masked = k0 + nkb - 1 > qpos[0] || nkb % QK_NR;   // a key past a row, or padding keys
+      float* m = w.m.data() + b * RB;
+      float* l = w.l.data() + b * RB;
+      auto step = masked ? block_step_nv<true> : block_step_nv<false>;
+      step(nv, w.krow.data(), w.vrow.data(), nkb, k0, qt + b * RB * D, qpos, D, w.s.data(), m, l, w.alpha.data(),
+           w.tmax.data(), ot + b * RB * D);
+    }
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t f = task.row0 + r, tok = f / G, head = task.kv_head * G + f % G;
+    const float inv = 1.f / w.l[r];
+    const float* col = ot + (r / RB) * RB * D + r % RB;
+    T* orow = out + ((q0 + tok) * a.H + head) * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] = from_float<T>(col[d * RB] * inv);
+  }
+}
+
+// The step's tasks, most expensive first.
+std::vector<PrefillTask> prefill_tasks(const PrefillArgs& a, int64_t P) {
+  std::vector<PrefillTask> tasks;
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = a.query_start[p + 1] - a.query_start[p], rows = n * a.G;
+    for (int64_t h = 0; h < a.KVH; ++h) {
+      for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+        const int64_t nr = std::min<int64_t>(ROW_TILE, rows - r0);
+        const int64_t keys = a.start_pos[p] + (r0 + nr - 1) / a.G + 1;
+        tasks.push_back({p, h, r0, nr, nr * keys});
+      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const PrefillTask& x, const PrefillTask& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+template <typename T>
+void prefill_impl(const PrefillArgs& a, int64_t P) {
+  const std::vector<PrefillTask> tasks = prefill_tasks(a, P);
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  if (ntasks == 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), ntasks);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    PrefillScratch w(a.D, !std::is_same<T, float>::value);
+    for (int64_t i = next.fetch_add(1); i < ntasks; i = next.fetch_add(1)) prefill_task<T>(a, tasks[i], w);
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  check_same_dtype(q, k_cache, "paged_attention_decode", "q and k_cache");
+  check_same_dtype(q, v_cache, "paged_attention_decode", "q and v_cache");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention_decode: tensors must be contiguous");
+  auto bt = block_tables.to(torch::kInt64).contiguous();
+  auto cl = context_lens.to(torch::kInt64).contiguous();
+  auto out = torch::empty_like(q);
+  dispatch_float(q, "paged_attention_decode", [&](auto tag) {
+    decode_impl<decltype(tag)>(q, k_cache, v_cache, bt, cl, static_cast<float>(scale), out);
   });
   return out;
 }
 
-// Rotary embedding in place on x [T, heads, D] (rotate-half convention) with cos/sin tables [P, D].
-void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.stride(2) == 1, "rope_inplace: float32, last dim contiguous");
-  const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  auto pos = positions.to(torch::kInt64).contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  float* xp = x.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+// Every prefill chunk of a step: q [T, H, D] (rows of chunk p at cu_seqlens_q[p] .. cu_seqlens_q[p+1]-1,
+// last dim contiguous), caches [NB, bs, KVH, D] with the chunks' K/V written, block_tables [P, MB],
+// start_pos [P] (tokens cached before each chunk). Returns [T, H, D] in q's dtype.
+torch::Tensor paged_attention_prefill_varlen(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                             torch::Tensor block_tables, torch::Tensor cu_seqlens_q,
+                                             torch::Tensor start_pos, double scale) {
+  const char* op = "paged_attention_prefill_varlen";
+  check_same_dtype(q, k_cache, op, "q and k_cache");
+  check_same_dtype(q, v_cache, op, "q and v_cache");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, op, ": q must be [tokens, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(),
+              op, ": k_cache and v_cache must be contiguous [num_blocks, block_size, kv_heads, head_dim] of one shape");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, op, ": head_dim of q (", D, ") and the cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, op, ": num_heads (", H, ") must be a multiple of num_kv_heads (", KVH, ")");
+  auto bt = block_tables.to(torch::kInt64).contiguous();
+  auto cu = cu_seqlens_q.to(torch::kInt64).contiguous();
+  auto sp = start_pos.to(torch::kInt64).contiguous();
+  const int64_t P = sp.numel();
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == P && cu.dim() == 1 && cu.numel() == P + 1, op,
+              ": block_tables must be [num_chunks, max_blocks] and cu_seqlens_q [num_chunks + 1] for ", P,
+              " start positions");
+  const int64_t* cup = cu.data_ptr<int64_t>();
+  const int64_t* spp = sp.data_ptr<int64_t>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t MB = bt.size(1);
+  TORCH_CHECK(P == 0 || (cup[0] == 0 && cup[P] == T), op, ": cu_seqlens_q must run from 0 to the ", T, " query rows");
+  for (int64_t p = 0; p < P; ++p) {
+    const int64_t n = cup[p + 1] - cup[p], blocks = (spp[p] + n + bs - 1) / bs;
+    TORCH_CHECK(n >= 0 && spp[p] >= 0 && spp[p] + n < INT32_MAX, op, ": chunk ", p,
+                " has a negative length or start position, or positions past 2^31");
+    TORCH_CHECK(blocks <= MB, op, ": chunk ", p, " covers ", spp[p] + n, " positions, more than its ", MB,
+                " blocks of ", bs, " hold");
+    for (int64_t b = 0; b < (n ? blocks : 0); ++b) {
+      TORCH_CHECK(btp[p * MB + b] >= 0 && btp[p * MB + b] < NB, op, ": chunk ", p, " reads block ",
+                  btp[p * MB + b], ", outside the cache's ", NB, " blocks");
+    }
+  }
+  auto out = torch::empty({T, H, D}, q.options());
+  PrefillArgs a{q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                btp, MB, cup, spp, H, KVH, H / KVH, D, bs, static_cast<float>(scale)};
+  dispatch_float(q, op, [&](auto tag) { prefill_impl<decltype(tag)>(a, P); });
+  return out;
+}
+
+namespace {
+
+// x += delta (in place, when given), then out = w * (x / sqrt(mean(x^2) + eps)). float32: the order of
+// operations of transformers' LlamaRMSNorm; bfloat16: x + delta rounded to bfloat16 (the residual add in
+// the model dtype), the norm in float32, the normalized x rounded to bfloat16, then times the weight and
+// rounded again (transformers casts to the input dtype before the weight multiply).
+template <typename T>
+void rms_norm_impl(T* xp, const T* dp, const T* wp, T* op, int64_t rows, int64_t N, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* __restrict c = cp + pp[t] * D;
-      const float* __restrict s = sp + pp[t] * D;
-      for (int64_t h = 0; h < Hn; ++h) {
-        float* __restrict v = xp + t * st + h * sh;
+      T* __restrict xr = xp + t * N;
+      T* __restrict orow = op + t * N;
+      if (dp) {
+        const T* __restrict dr = dp + t * N;
 #pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * c[i] + (-b) * s[i];
-          v[i + half] = b * c[i + half] + a * s[i + half];
+        for (int64_t i = 0; i < N; ++i) xr[i] = from_float<T>(to_float(xr[i]) + to_float(dr[i]));
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
+      const float r = 1.f / std::sqrt(ss / N + eps);
+      if constexpr (std::is_same<T, float>::value) {
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) orow[i] = wp[i] * (xr[i] * r);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) orow[i] = from_float<T>(to_float(wp[i]) * round_to<T>(to_float(xr[i]) * r));
+      }
+    }
+  });
+}
+
+// Rotate-half RoPE in place. float32 as before; bfloat16 rounds each product and the sum as torch does
+// for x * cos + rotate_half(x) * sin in bfloat16.
+template <typename T>
+void rope_impl(T* xp, const int64_t* pp, const T* cp, const T* sp, int64_t rows, int64_t Hn, int64_t D,
+               int64_t st, int64_t sh) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* __restrict c = cp + pp[t] * D;
+      const T* __restrict s = sp + pp[t] * D;
+      for (int64_t h = 0; h < Hn; ++h) {
+        T* __restrict v = xp + t * st + h * sh;
+        if constexpr (std::is_same<T, float>::value) {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * c[i] + (-b) * s[i];
+            v[i + half] = b * c[i + half] + a * s[i + half];
+          }
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = to_float(v[i]), b = to_float(v[i + half]);
+            const float lo = round_to<T>(a * to_float(c[i])) + round_to<T>(-b * to_float(s[i]));
+            const float hi = round_to<T>(b * to_float(c[i + half])) + round_to<T>(a * to_float(s[i + half]));
+            v[i] = from_float<T>(lo);
+            v[i + half] = from_float<T>(hi);
+          }
         }
       }
     }
   });
 }
 
+// out = silu(gate) * up; bfloat16 rounds silu(gate) before the multiply, as F.silu(gate) * up does.
+template <typename T>
+void silu_mul_impl(const T* xp, T* op, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* __restrict g = xp + t * 2 * I;
+      const T* __restrict u = g + I;
+      T* __restrict o = op + t * I;
+      if constexpr (std::is_same<T, float>::value) {
+#pragma omp simd
+        for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < I; ++i) {
+          const float gf = to_float(g[i]);
+          o[i] = from_float<T>(round_to<T>(gf / (1.f + fast_exp(-gf))) * to_float(u[i]));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor fused_add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
+  const char* op = "fused_add_rms_norm";
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1), op,
+              ": x must be contiguous [rows, hidden] and w [hidden]");
+  check_same_dtype(x, w, op, "x and w");
+  torch::Tensor d;
+  if (delta.has_value()) {
+    check_same_dtype(x, *delta, op, "x and delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), op, ": delta must have x's shape");
+    d = delta->contiguous();
+  }
+  auto out = torch::empty_like(x);
+  dispatch_float(x, op, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(mptr<T>(x), d.defined() ? cptr<T>(d) : nullptr, cptr<T>(w), mptr<T>(out), x.size(0), x.size(1),
+                     static_cast<float>(eps));
+  });
+  return out;
+}
+
+// Rotary embedding in place on x [T, heads, D] (rotate-half convention) with cos/sin tables [P, D].
+void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  const char* op = "rope_inplace";
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, op, ": x must be [tokens, heads, head_dim], last dim contiguous");
+  check_same_dtype(x, cos, op, "x and cos");
+  check_same_dtype(x, sin, op, "x and sin");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) == x.size(2), op,
+              ": cos and sin must be contiguous [positions, head_dim]");
+  auto pos = positions.to(torch::kInt64).contiguous();
+  dispatch_float(x, op, [&](auto tag) {
+    using T = decltype(tag);
+    rope_impl<T>(mptr<T>(x), pos.data_ptr<int64_t>(), cptr<T>(cos), cptr<T>(sin), x.size(0), x.size(1), x.size(2),
+                 x.stride(0), x.stride(1));
+  });
+}
+
 // out = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (gate and up fused).
 torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "silu_and_mul: float32, contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_and_mul: x must be contiguous [rows, 2I]");
   const int64_t T = x.size(0), I = x.size(1) / 2;
   auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* __restrict g = xp + t * 2 * I;
-      const float* __restrict u = g + I;
-      float* __restrict o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + fast_exp(-g[i])) * u[i];
-    }
+  dispatch_float(x, "silu_and_mul", [&](auto tag) {
+    using E = decltype(tag);
+    silu_mul_impl<E>(cptr<E>(x), mptr<E>(out), T, I);
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
-        "paged decode attention (float32, CPU): q [B,H,D], caches [NB,bs,KVH,D], block_tables [B,MB], context_lens [B]");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "x += delta; return rmsnorm(x) * w (float32)");
-  m.def("rope_inplace", &rope_inplace, "rotary embedding in place (float32)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32)");
+        "paged decode attention (float32/bfloat16, CPU): q [B,H,D], caches [NB,bs,KVH,D], block_tables [B,MB], "
+        "context_lens [B]");
+  m.def("paged_attention_prefill_varlen", &paged_attention_prefill_varlen,
+        "paged causal attention of all prefill chunks (float32/bfloat16, CPU): q [T,H,D], caches [NB,bs,KVH,D], "
+        "block_tables [P,MB], cu_seqlens_q [P+1], start_pos [P]");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "x += delta; return rmsnorm(x) * w (float32/bfloat16)");
+  m.def("rope_inplace", &rope_inplace, "rotary embedding in place (float32/bfloat16)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32/bfloat16)");
 }

@@ -5,7 +5,8 @@ Which knobs each kind takes:
 
 * every kind: ``name`` and ``kind``;
 * ``paged``, ``static`` and ``sim`` (engines this process builds, :class:`BuiltEngineSpec`): the KV pool
-  (``block_size``, ``kv_cache_tokens`` or ``kv_cache_bytes``), ``max_model_len``, ``dtype``, and the knobs
+  (``block_size``, ``kv_cache_tokens`` or ``kv_cache_bytes``), ``max_model_len``, ``dtype``,
+  ``weight_dtype`` (one vocabulary, each kind taking the values it can run or price), and the knobs
   of their scheduling policy (:data:`POLICY_KNOBS`; a real engine's policy is its kind, a sim engine's is
   its ``policy``):
 
@@ -18,7 +19,7 @@ Which knobs each kind takes:
 
 * ``paged`` and ``static`` (the real model): ``device``, ``attention_backend``, ``test_step_delay_s``;
 * ``sim``: ``policy``, ``cost_model``, ``swap_bandwidth_bytes_per_s`` and the GPU what-if fields
-  (``model``, ``hardware``, ``tp``, ``weight_dtype``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ...);
+  (``model``, ``hardware``, ``tp``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ...);
 * ``openai``: ``base_url``, ``api_key``, ``model`` (the served model's id), ``endpoint`` (``completions`` or
   ``chat``), ``itl_mode`` (``chunk`` or ``token``) and ``launch`` (a server the runner starts and stops); its
   engine knobs are the server's.
@@ -122,6 +123,12 @@ class BuiltEngineSpec(EngineSpecBase):
         dtype: ``float32``, ``bfloat16`` or ``auto`` (bfloat16 where the CPU computes it natively, else
             float32; resolved when the scenario loads, so results.json holds the dtype that ran): the real
             model's weights and KV; a measured sim's KV bytes and profile.
+        weight_dtype: how the linear weights are stored (``engines.core.config.WEIGHT_DTYPES``). Real
+            engines, and a sim over a measured profile (which measured a real engine): ``fp32`` / ``bf16``
+            (the dense weights of dtype float32 / bfloat16: must agree with ``dtype``), ``int8`` or ``int4``
+            (weight-only, round-to-nearest, ``engines.real.quant``); unset: the dense weights of ``dtype``.
+            The profile's fingerprint must have been measured with it. A sim over the analytic cost model:
+            ``bf16`` (unset), ``fp8``, ``awq``, ``gptq`` or ``int4`` (what-ifs priced by the roofline).
     """
 
     block_size: int = Field(16, ge=1)
@@ -129,6 +136,7 @@ class BuiltEngineSpec(EngineSpecBase):
     kv_cache_bytes: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    weight_dtype: Literal["fp32", "bf16", "int8", "int4", "fp8", "awq", "gptq"] | None = None
 
     @field_validator("dtype")
     @classmethod
@@ -202,6 +210,15 @@ class RealEngineSpec(BuiltEngineSpec):
     linear_backend: Literal["auto", "torch", "onednn"] = "auto"
     test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
 
+    @model_validator(mode="after")
+    def _runs_weight_dtype(self) -> "RealEngineSpec":
+        from engines.core.config import real_weight_dtype_problem
+
+        problem = real_weight_dtype_problem(self.weight_dtype, self.dtype)
+        if problem:
+            raise field_error("weight_dtype", problem)
+        return self
+
 
 # The policy-knob mixins come first among the bases so that the fields read name, kind, the shared knobs,
 # then the policy's (pydantic orders fields from the last base of the MRO to the first).
@@ -226,7 +243,7 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
         policy: the scheduling policy simulated: ``paged`` (default; filled in on validation), ``static`` or
             ``orca``.
         cost_model: ``auto`` (default: this machine's profile for the scenario's model and the engine's
-            dtype, measured on first use and cached; ``workbench.calibration``), a profile JSON (relative to
+            dtype and weight_dtype, measured on first use and cached; ``workbench.calibration``), a profile JSON (relative to
             the scenario's folder), ``builtin:ci-reference`` (a committed profile, for runs that must give the
             same numbers everywhere) or ``analytic`` (the roofline model of
             ``engines.sim.analytic_cost_model``; default when ``hardware`` is set); filled in on validation.
@@ -237,7 +254,6 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
         model: the catalogue model simulated (default: the scenario's model).
         hardware: catalogue GPU (``cost_model: analytic``).
         tp: tensor-parallel GPUs.
-        weight_dtype: ``bf16``, ``fp8``, ``awq``, ``gptq`` or ``int4``.
         kv_cache_dtype: ``bf16`` or ``fp8``.
         gpu_memory_utilization: fraction of GPU memory for weights + activations + KV.
         activation_reserve_gib: override of the activation reserve, GiB.
@@ -254,7 +270,6 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
     model: str | None = None
     hardware: str | None = None
     tp: int = Field(1, ge=1)
-    weight_dtype: Literal["bf16", "fp8", "awq", "gptq", "int4"] = "bf16"
     kv_cache_dtype: Literal["bf16", "fp8"] = "bf16"
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     activation_reserve_gib: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -372,8 +387,10 @@ def _check_whatif(e: SimEngineSpec) -> None:
 
     Raises:
         ValueError: an unknown catalogue name or efficiency factor, analytic without hardware, analytic-only
-            fields on a measured cost model, or speculative decoding only partly given.
+            fields on a measured cost model, a weight_dtype the cost model cannot price or measure, or
+            speculative decoding only partly given.
     """
+    from engines.core.config import ANALYTIC_WEIGHT_DTYPES, real_weight_dtype_problem
     from engines.sim.analytic_cost_model import Efficiency
     from engines.sim.catalog import CatalogError, get_hardware, get_model
 
@@ -395,8 +412,15 @@ def _check_whatif(e: SimEngineSpec) -> None:
         for name in ("hardware", "efficiency", "speculative_model"):
             if getattr(e, name) is not None:
                 raise ValueError(f"{name} needs cost_model analytic (cost_model is {e.cost_model})")
-        if e.tp != 1 or e.weight_dtype != "bf16" or e.kv_cache_dtype != "bf16":
-            raise ValueError("tp, weight_dtype and kv_cache_dtype need cost_model analytic")
+        if e.tp != 1 or e.kv_cache_dtype != "bf16":
+            raise ValueError("tp and kv_cache_dtype need cost_model analytic")
+        problem = real_weight_dtype_problem(e.weight_dtype, e.dtype, "a measured profile (of the real engine)")
+        if problem:
+            raise ValueError(f"{problem} (the analytic cost model's what-ifs need cost_model analytic)")
+    elif e.weight_dtype is not None and e.weight_dtype not in ANALYTIC_WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype {e.weight_dtype} is not priced by the analytic cost model "
+                         f"({', '.join(ANALYTIC_WEIGHT_DTYPES)}); the real engine runs it (a measured profile: "
+                         "cost_model auto)")
     spec = (e.speculative_model, e.num_speculative_tokens, e.spec_acceptance_rate)
     if any(v is not None for v in spec) and any(v is None for v in spec):
         raise ValueError("speculative decoding needs speculative_model, num_speculative_tokens and "
