@@ -36,10 +36,6 @@ class ProfileMismatchError(ValueError):
     """A profile measured another computation (model, dtype or weight dtype) than the engine simulates."""
 
 
-def _cpu_flags() -> list[str]:
-    return list(cpu_flags())
-
-
 def target_threads() -> int:
     """The torch thread count the real engines run with: ``$WORKBENCH_PROFILE_THREADS`` (set by a sweep for its
     single-threaded simulator workers), else torch's current setting."""
@@ -68,7 +64,7 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     if attention is None:
         attention = pick_attention("auto", getattr(torch, dtype), torch.device("cpu")).name
     cfg = (Path(model_dir) / "config.json").read_bytes()
-    return {"cpu": cpu_name(), "isa": _cpu_flags(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu": cpu_name(), "isa": list(cpu_flags()), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
             "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype,
             "weight_dtype": real_weight_dtype(weight_dtype, dtype),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.core.config import REAL_WEIGHT_DTYPES
+from engines.core.config import DENSE_WEIGHT_DTYPE, REAL_WEIGHT_DTYPES
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
@@ -72,7 +72,7 @@ class Linear:
 
 def model_weight_dtype(dtype: torch.dtype) -> str:
     """The ``weight_dtype`` name of dense weights in ``dtype`` (``fp32`` or ``bf16``)."""
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    return DENSE_WEIGHT_DTYPE[str(dtype).removeprefix("torch.")]
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_dtype: str, backend: str) -> Linear:
