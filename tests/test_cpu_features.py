@@ -7,7 +7,7 @@ import torch
 
 from engines.factory import EngineConfig
 from engines.real import cpu_features
-from engines.real.linear import Linear, resolve_linear_backend
+from engines.real.linear import Linear, onednn_rows_bucket, resolve_linear_backend
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_onednn_linear_matches_f_linear(dtype):
     w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     onednn, ref = Linear(w, b, "onednn"), Linear(w, b, "torch")
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows in (0, 1, 7, 64, 300):
+    for rows in (0, 1, 7, 17, 64, 300):
         x = torch.randn(rows, 80, generator=g).to(dtype)[:, ::2]  # not contiguous
         got, want = onednn(x), ref(x)
         assert got.shape == (rows, 96) and got.dtype == dtype
@@ -67,9 +67,21 @@ def test_onednn_linear_matches_f_linear(dtype):
     assert onednn.nbytes == ref.nbytes == (96 * 40 + 96) * w.element_size()
 
 
+def test_onednn_row_buckets_are_few_and_tight():
+    """oneDNN keeps a compiled primitive per row count, so row counts are padded to a bounded set: exact up
+    to 16 rows, then 8 per doubling, never more than 1/8 extra rows."""
+    buckets = {r: onednn_rows_bucket(r) for r in range(0, 4097)}
+    assert all(buckets[r] == r for r in range(17))
+    assert [buckets[r] for r in (17, 33, 63, 65, 1000, 1025, 1054)] == [18, 36, 64, 72, 1024, 1152, 1152]
+    assert all(r <= b <= r * 9 / 8 for r, b in buckets.items())
+    assert len(set(buckets.values())) == 17 + 8 * 8  # 0-16, then 8 per doubling from 17-32 to 2,049-4,096
+    assert all(onednn_rows_bucket(b) == b for b in buckets.values())
+
+
 def test_linear_backend_choice():
     cpu = torch.device("cpu")
-    assert resolve_linear_backend("auto", cpu) == "torch"  # oneDNN is opt-in (its primitive cache grows per shape)
+    assert resolve_linear_backend("auto", cpu) == "onednn"
+    assert resolve_linear_backend("auto", torch.device("cuda", 0)) == "torch"
     assert resolve_linear_backend("torch", cpu) == "torch"
     with pytest.raises(ValueError, match="linear_backend must be one of auto, torch, onednn, got 'mkl'"):
         resolve_linear_backend("mkl", cpu)

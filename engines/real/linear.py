@@ -6,8 +6,13 @@ frozen CPU linears). ``F.linear`` in float32 goes to the BLAS torch was built wi
 CPUs runs a generic code path: on one 2-core AMD EPYC (AVX-512) MKL's float32 GEMM of SmolLM2's shapes ran at
 about 180 GFLOP/s and oneDNN's reordered one at 400-470, with the same float32 results to about 1e-6
 relative (another summation order, not lower precision). ``benchmarks/throughput.py`` measures both beside
-each other as the GEMM ceilings. ``auto`` is ``torch`` (``F.linear``) for now: oneDNN keeps a primitive per
-row count, and a server's resident memory grew by 320 MiB in a 30 s soak of varied batch sizes with it.
+each other as the GEMM ceilings. ``auto`` is ``onednn`` on CPU and ``torch`` elsewhere.
+
+oneDNN keeps about 1 MiB per distinct row count it has seen (a compiled primitive; capping
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` did not release it), so a server fed every batch size from 1 to 1,100
+rows grew by about 700 MiB. The oneDNN layer therefore pads its input up to one of a fixed set of row
+counts (:func:`onednn_rows_bucket`: exact up to 16, then 8 per doubling): a bounded set of primitives
+(72 up to 4,096 rows), at most 1/8 extra rows (the GEMM's time per row was flat from 32 rows up).
 
 Weight dtypes (``weight_dtype``): ``fp32``/``bf16`` are the model dtype's dense weights; ``int8`` and ``int4``
 are weight-only quantized layers (``engines.real.quant``), the activations staying in the model dtype.
@@ -26,6 +31,19 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn")
 # 5% of the best hint from 8 to 1,024 rows on the machine above
 ONEDNN_ROWS_HINT = 64
 
+# row counts up to this run exactly; above it, 8 buckets per doubling
+ONEDNN_EXACT_ROWS = 16
+
+
+def onednn_rows_bucket(rows: int) -> int:
+    """The row count at or above ``rows`` that a oneDNN GEMM is run at: ``rows`` itself up to 16, else
+    rounded up to a multiple of 1/16 of the power of two at or above it (17-32 in steps of 2, 33-64 in
+    steps of 4, ..., 1,025-2,048 in steps of 128), so at most 1/8 extra rows and 8 row counts per doubling."""
+    if rows <= ONEDNN_EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
 
 def resolve_linear_backend(backend: str, device: torch.device) -> str:
     """``torch`` or ``onednn`` for a ``linear_backend`` knob on ``device``.
@@ -39,7 +57,7 @@ def resolve_linear_backend(backend: str, device: torch.device) -> str:
     if backend == "onednn" and not usable:
         raise ValueError(f"linear_backend 'onednn' needs the CPU and torch built with oneDNN (device {device})")
     if backend == "auto":
-        return "torch"  # oneDNN is opt-in until its per-shape primitive cache stops growing a long-running server's memory
+        return "onednn" if usable else "torch"
     return backend
 
 
@@ -65,9 +83,16 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [*, in_features]`` -> ``[*, out_features]`` in ``x``'s dtype."""
-        if self.backend == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.backend != "onednn":
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.in_features)
+        rows = x.shape[0]
+        padded = onednn_rows_bucket(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, self.in_features)])
+        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return y[:rows].reshape(*lead, self.out_features)
 
 
 def model_weight_dtype(dtype: torch.dtype) -> str:
