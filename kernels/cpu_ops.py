@@ -26,6 +26,12 @@ _failed = False
 _error: str | None = None  # why the kernel is unavailable, once load() has failed
 
 
+def source_sha256() -> str:
+    """The first 12 hex digits of the kernel source's sha256: part of a profile's fingerprint, so that a
+    simulator profile measured with other kernels is measured again."""
+    return hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+
+
 def _build_dir() -> Path:
     root = Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench")).expanduser()
     key = hashlib.sha1(f"{_SRC.resolve()}|{sys.prefix}".encode()).hexdigest()[:10]

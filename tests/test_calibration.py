@@ -25,6 +25,18 @@ def test_fingerprint_names_machine_and_computation(tiny_llama_dir):
     assert fingerprint("tiny", tiny_llama_dir) == fp  # deterministic: the cache key is stable
 
 
+def test_fingerprint_changes_with_the_engine_kernels(tiny_llama_dir, monkeypatch):
+    """A profile cached for older kernels (another kernel source or engine speed revision) is not reused."""
+    import engines.real
+    import kernels.cpu_ops
+
+    fp = fingerprint("tiny", tiny_llama_dir)
+    assert fp["kernels"] == f"r{engines.real.ENGINE_SPEED_REVISION}-{kernels.cpu_ops.source_sha256()}"
+    monkeypatch.setattr(engines.real, "ENGINE_SPEED_REVISION", engines.real.ENGINE_SPEED_REVISION + 1)
+    bumped = fingerprint("tiny", tiny_llama_dir)
+    assert bumped["kernels"] != fp["kernels"] and profile_path(bumped) != profile_path(fp)
+
+
 def test_profile_of_another_model_is_refused_and_another_machine_warns(tiny_llama_dir):
     fp = fingerprint("tiny", tiny_llama_dir)
     cm = CostModel({"const": 0.01}, fingerprint={**fp, "model": "other"})

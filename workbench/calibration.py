@@ -3,7 +3,8 @@
 A profile is valid for one *fingerprint*: CPU model and ISA flags, torch's CPU kernel level, torch threads,
 torch version, the model (name and a hash of its config), dtype, weight dtype (``fp32``, ``bf16``, ``int8``,
 ``int4``: the model, dtype and weight dtype must match, so a profile measured with fp32 weights is refused
-for an int8 engine), attention and GEMM kernels and the profile format (``engines.sim.cost_model.PROFILE_FORMAT``). Profiles
+for an int8 engine), attention and GEMM kernels, the engine's kernel version (``kernels``: the compiled kernel
+source's hash and ``engines.real.ENGINE_SPEED_REVISION``) and the profile format (``engines.sim.cost_model.PROFILE_FORMAT``). Profiles
 live in ``$WORKBENCH_CACHE/profiles/<model>-<key>.json`` (``key``: the first 16 hex digits of the
 fingerprint's sha256); ``workbench profile`` writes the same files. Block size is a feature of the cost model
 (each step's KV read), not of the fingerprint, so a block-size sweep calibrates once. A file lock makes
@@ -29,7 +30,8 @@ from engines.sim.cost_model import PROFILE_FORMAT, CostModel
 # fingerprint fields that decide what computation was measured (a mismatch refuses the profile) ...
 COMPUTATION_FIELDS = ("model", "model_config_sha256", "dtype", "weight_dtype")
 # ... and the machine's (a mismatch warns: a profile of another machine predicts another speed)
-MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention", "linear", "profile_format")
+MACHINE_FIELDS = ("cpu", "isa", "cpu_capability", "threads", "torch", "attention", "linear", "kernels",
+                  "profile_format")
 
 
 class ProfileMismatchError(ValueError):
@@ -58,8 +60,10 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     problem = real_weight_dtype_problem(weight_dtype, dtype, "a measured profile (of the real engine)")
     if problem:
         raise ValueError(problem)
+    from engines.real import ENGINE_SPEED_REVISION
     from engines.real.linear import resolve_linear_backend
     from engines.real.model import pick_attention
+    from kernels.cpu_ops import source_sha256
 
     if attention is None:
         attention = pick_attention("auto", getattr(torch, dtype), torch.device("cpu")).name
@@ -69,7 +73,7 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
             "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype,
             "weight_dtype": real_weight_dtype(weight_dtype, dtype),
             "attention": attention, "linear": resolve_linear_backend("auto", torch.device("cpu")),
-            "profile_format": PROFILE_FORMAT}
+            "kernels": f"r{ENGINE_SPEED_REVISION}-{source_sha256()}", "profile_format": PROFILE_FORMAT}
 
 
 def profile_key(fp: dict) -> str:
