@@ -44,6 +44,25 @@ def test_cpu_decode_kernel_matches_reference(seed, kernel):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d,groups", [(64, 1), (64, 2), (64, 3), (64, 4), (128, 1), (128, 2), (128, 4), (32, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vectorized_decode_shapes_match_the_reference(d, groups, dtype, kernel):
+    """The register-blocked decode path (head dims 32/64/128 with up to 4 query heads per KV head) over
+    shuffled blocks, partial last blocks (block size 5) and contexts longer than the prefetch distance."""
+    g = torch.Generator().manual_seed(d * 10 + groups)
+    batch, kvh, bs, nb = 4, 2, 5, 96
+    k = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    v = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    lens = torch.tensor([1, 7, 64, 203])
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in range(batch)])
+    q = torch.randn(batch, kvh * groups, d, generator=g).to(dtype)
+    out = cpu_ops.paged_attention_decode(q, k, v, tables, lens, d**-0.5)
+    ref = paged_attention_decode(q.float(), k.float(), v.float(), tables, lens, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(out.float(), ref, atol=tol * 10, rtol=tol)
+
+
 def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> int:
     """The largest distance between two bfloat16 tensors in units in the last place (same-sign values)."""
     a, b = got.view(torch.int16).int(), want.view(torch.int16).int()

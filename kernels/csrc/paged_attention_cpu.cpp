@@ -172,39 +172,6 @@ void attend_seq(const float* __restrict qb, const T* __restrict kp, const T* __r
   for (int64_t i = 0; i < H * D; ++i) ob[i] = from_float<T>(a[i]);
 }
 
-template <typename T>
-void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 const torch::Tensor& bt, const torch::Tensor& cl, float sc, torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t G = H / KVH, MB = bt.size(1);
-  const T* qp = cptr<T>(q);
-  const T* kp = cptr<T>(k_cache);
-  const T* vp = cptr<T>(v_cache);
-  const int64_t* btp = bt.data_ptr<int64_t>();
-  const int64_t* clp = cl.data_ptr<int64_t>();
-  T* op = mptr<T>(out);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> off;
-    std::vector<float> scores, acc, qf(H * D);
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
-      T* ob = op + b * H * D;
-      const int64_t* table = btp + b * MB;
-      const int64_t ctx = clp[b];
-#define WB_CALL(DC) attend_seq<T, DC>(qf.data(), kp, vp, table, ctx, bs, KVH, G, D, sc, off, scores, acc, ob)
-      switch (D) {
-        case 64: WB_CALL(64); break;
-        case 128: WB_CALL(128); break;
-        case 32: WB_CALL(32); break;
-        case 16: WB_CALL(16); break;
-        default: WB_CALL(0);
-      }
-#undef WB_CALL
-    }
-  });
-}
-
 // ------------------------------------------------------------------------------------------ varlen prefill
 //
 // Work: tasks (chunk, KV head, row tile). A chunk's rows are its (query token, query head of the KV
@@ -444,6 +411,175 @@ struct PrefillScratch {
         kf(convert ? KEY_TILE * D : 0), vf(convert ? KEY_TILE * D : 0), qpos(ROW_TILE), krow(KEY_TILE),
         vrow(KEY_TILE) {}
 };
+
+// ------------------------------------------------------------------------------------------ decode, vectorized
+//
+// The decode kernel for head dims that are a multiple of VW and groups of up to 4 query heads per KV head
+// (SmolLM2: 64 and 3). It walks the sequence block by block, and within a block KV head by KV head, keeping
+// the head's G query vectors (scores) or G output accumulators (values) in registers, so each K or V head
+// row is loaded once for all G query heads and the outputs are not stored and reloaded per token as in
+// attend_seq; the block's tokens are contiguous, so the later heads' passes find them in cache, and the
+// next block is prefetched row by row during the first head's pass. Against attend_seq with the row
+// prefetch, on a 2-core AMD EPYC, 64 sequences of 150-300 tokens in shuffled blocks: float32 1.05 -> 0.74 ms,
+// bfloat16 3.1 -> 1.6 ms; 256 sequences (memory-bound in float32) 4.8 -> 5.1 ms and 4.1 -> 2.0 ms.
+
+// one head row of DC elements as DC / VW float vectors
+template <int NV>
+inline void load_head(const float* p, vfloat (&v)[NV]) {
+  for (int i = 0; i < NV; ++i) v[i] = vload(p + i * VW);
+}
+template <int NV>
+inline void load_head(const bf16_t* p, vfloat (&v)[NV]) {
+  typedef uint16_t vu16 __attribute__((vector_size(VW * sizeof(uint16_t))));
+  typedef uint32_t vu32 __attribute__((vector_size(VW * sizeof(uint32_t))));
+  for (int i = 0; i < NV; ++i) {
+    vu16 h;
+    std::memcpy(&h, p + i * VW, sizeof(h));
+    const vu32 w = __builtin_convertvector(h, vu32) << 16;
+    std::memcpy(&v[i], &w, sizeof(w));
+  }
+}
+
+// sum of a vector's lanes, as a tree of shuffles
+inline float hsum(vfloat v) {
+#if defined(__AVX512F__)
+  v += __builtin_shuffle(v, vint{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#elif defined(__AVX__)
+  v += __builtin_shuffle(v, vint{4, 5, 6, 7, 0, 1, 2, 3});
+  v += __builtin_shuffle(v, vint{2, 3, 0, 1, 6, 7, 4, 5});
+  v += __builtin_shuffle(v, vint{1, 0, 3, 2, 5, 4, 7, 6});
+#else
+  v += __builtin_shuffle(v, vint{2, 3, 0, 1});
+  v += __builtin_shuffle(v, vint{1, 0, 3, 2});
+#endif
+  return v[0];
+}
+
+template <typename T>
+inline void prefetch_head(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
+template <typename T, int DC, int GC>
+void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T* __restrict vp,
+                    const int64_t* __restrict table, int64_t ctx, int64_t bs, int64_t KVH, float sc,
+                    std::vector<float>& scores, std::vector<float>& acc, T* __restrict ob) {
+  constexpr int NV = DC / VW;
+  const int64_t tok_stride = KVH * DC, H = KVH * GC, nblk = (ctx + bs - 1) / bs;
+  scores.resize(H * ctx);
+  float* __restrict s = scores.data();  // [H][ctx]
+  // scores, block by block: a block's tokens are contiguous (bs x KVH x DC), so every KV head's pass over
+  // them finds them in cache once the first has loaded them; the next block is prefetched meanwhile
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t t0 = blk * bs, n = std::min(bs, ctx - t0);
+    const T* kb = kp + table[blk] * bs * tok_stride;
+    const T* knext = blk + 1 < nblk ? kp + table[blk + 1] * bs * tok_stride : nullptr;
+    const int64_t nnext = blk + 1 < nblk ? std::min(bs, ctx - t0 - bs) : 0;
+    for (int64_t h = 0; h < KVH; ++h) {
+      vfloat q[GC][NV];
+      for (int g = 0; g < GC; ++g) load_head<NV>(qb + (h * GC + g) * DC, q[g]);
+      for (int64_t i = 0; i < n; ++i) {
+        if (h == 0 && i < nnext) prefetch_head(knext + i * tok_stride, tok_stride);
+        vfloat k[NV];
+        load_head<NV>(kb + i * tok_stride + h * DC, k);
+        for (int g = 0; g < GC; ++g) {
+          vfloat a = q[g][0] * k[0];
+          for (int j = 1; j < NV; ++j) a += q[g][j] * k[j];
+          s[(h * GC + g) * ctx + t0 + i] = hsum(a) * sc;
+        }
+      }
+    }
+  }
+  float inv[64];
+  for (int64_t j = 0; j < H; ++j) {
+    float* __restrict sg = s + j * ctx;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < ctx; ++t) {
+      const float e = fast_exp(sg[t] - m);
+      sg[t] = e;
+      sum += e;
+    }
+    inv[j] = 1.f / sum;
+  }
+  acc.assign(H * DC, 0.f);
+  float* __restrict a = acc.data();  // [H][DC]
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t t0 = blk * bs, n = std::min(bs, ctx - t0);
+    const T* vb = vp + table[blk] * bs * tok_stride;
+    const T* vnext = blk + 1 < nblk ? vp + table[blk + 1] * bs * tok_stride : nullptr;
+    const int64_t nnext = blk + 1 < nblk ? std::min(bs, ctx - t0 - bs) : 0;
+    for (int64_t h = 0; h < KVH; ++h) {
+      vfloat o[GC][NV];
+      for (int g = 0; g < GC; ++g) load_head<NV>(a + (h * GC + g) * DC, o[g]);
+      for (int64_t i = 0; i < n; ++i) {
+        if (h == 0 && i < nnext) prefetch_head(vnext + i * tok_stride, tok_stride);
+        vfloat v[NV];
+        load_head<NV>(vb + i * tok_stride + h * DC, v);
+        for (int g = 0; g < GC; ++g) {
+          const vfloat pg = vsplat(s[(h * GC + g) * ctx + t0 + i]);
+          for (int j = 0; j < NV; ++j) o[g][j] += pg * v[j];
+        }
+      }
+      for (int g = 0; g < GC; ++g)
+        for (int j = 0; j < NV; ++j) vstore(a + (h * GC + g) * DC + j * VW, o[g][j]);
+    }
+  }
+  for (int64_t j = 0; j < H; ++j)
+    for (int64_t d = 0; d < DC; ++d) ob[j * DC + d] = from_float<T>(a[j * DC + d] * inv[j]);
+}
+
+template <typename T>
+void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const torch::Tensor& bt, const torch::Tensor& cl, float sc, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH, MB = bt.size(1);
+  const T* qp = cptr<T>(q);
+  const T* kp = cptr<T>(k_cache);
+  const T* vp = cptr<T>(v_cache);
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* clp = cl.data_ptr<int64_t>();
+  T* op = mptr<T>(out);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> off;
+    std::vector<float> scores, acc, qf(H * D);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
+      T* ob = op + b * H * D;
+      const int64_t* table = btp + b * MB;
+      const int64_t ctx = clp[b];
+#define WB_VEC(DC, GC) attend_seq_vec<T, DC, GC>(qf.data(), kp, vp, table, ctx, bs, KVH, sc, scores, acc, ob)
+#define WB_CALL(DC) attend_seq<T, DC>(qf.data(), kp, vp, table, ctx, bs, KVH, G, D, sc, off, scores, acc, ob)
+      if (ctx > 0 && H > 64) WB_CALL(0);
+      else if (ctx > 0 && D == 64 && G == 3) WB_VEC(64, 3);
+      else if (ctx > 0 && D == 64 && G == 1) WB_VEC(64, 1);
+      else if (ctx > 0 && D == 64 && G == 2) WB_VEC(64, 2);
+      else if (ctx > 0 && D == 64 && G == 4) WB_VEC(64, 4);
+      else if (ctx > 0 && D == 128 && G == 1) WB_VEC(128, 1);
+      else if (ctx > 0 && D == 128 && G == 2) WB_VEC(128, 2);
+      else if (ctx > 0 && D == 128 && G == 4) WB_VEC(128, 4);
+      else if (ctx > 0 && D == 32 && G == 3) WB_VEC(32, 3);
+      else {
+        switch (D) {
+          case 64: WB_CALL(64); break;
+          case 128: WB_CALL(128); break;
+          case 32: WB_CALL(32); break;
+          case 16: WB_CALL(16); break;
+          default: WB_CALL(0);
+        }
+      }
+#undef WB_CALL
+#undef WB_VEC
+    }
+  });
+}
 
 struct PrefillArgs {
   const void* q;
