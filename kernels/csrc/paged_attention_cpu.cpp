@@ -464,6 +464,24 @@ inline void prefetch_head(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
+// Block blk of a sequence in a K or V cache: its first token row, its first token's position and token
+// count, and the next block's first row and token count (nullptr / 0 after the last block).
+template <typename T>
+struct SeqBlock {
+  const T* rows;
+  int64_t t0, n;
+  const T* next;
+  int64_t nnext;
+};
+template <typename T>
+inline SeqBlock<T> seq_block(const T* cache, const int64_t* table, int64_t blk, int64_t ctx, int64_t bs,
+                             int64_t tok_stride) {
+  const int64_t t0 = blk * bs, nblk = (ctx + bs - 1) / bs;
+  const bool more = blk + 1 < nblk;
+  return {cache + table[blk] * bs * tok_stride, t0, std::min(bs, ctx - t0),
+          more ? cache + table[blk + 1] * bs * tok_stride : nullptr, more ? std::min(bs, ctx - t0 - bs) : 0};
+}
+
 template <typename T, int DC, int GC>
 void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T* __restrict vp,
                     const int64_t* __restrict table, int64_t ctx, int64_t bs, int64_t KVH, float sc,
@@ -475,21 +493,18 @@ void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T*
   // scores, block by block: a block's tokens are contiguous (bs x KVH x DC), so every KV head's pass over
   // them finds them in cache once the first has loaded them; the next block is prefetched meanwhile
   for (int64_t blk = 0; blk < nblk; ++blk) {
-    const int64_t t0 = blk * bs, n = std::min(bs, ctx - t0);
-    const T* kb = kp + table[blk] * bs * tok_stride;
-    const T* knext = blk + 1 < nblk ? kp + table[blk + 1] * bs * tok_stride : nullptr;
-    const int64_t nnext = blk + 1 < nblk ? std::min(bs, ctx - t0 - bs) : 0;
+    const SeqBlock<T> b = seq_block(kp, table, blk, ctx, bs, tok_stride);
     for (int64_t h = 0; h < KVH; ++h) {
       vfloat q[GC][NV];
       for (int g = 0; g < GC; ++g) load_head<NV>(qb + (h * GC + g) * DC, q[g]);
-      for (int64_t i = 0; i < n; ++i) {
-        if (h == 0 && i < nnext) prefetch_head(knext + i * tok_stride, tok_stride);
+      for (int64_t i = 0; i < b.n; ++i) {
+        if (h == 0 && i < b.nnext) prefetch_head(b.next + i * tok_stride, tok_stride);
         vfloat k[NV];
-        load_head<NV>(kb + i * tok_stride + h * DC, k);
+        load_head<NV>(b.rows + i * tok_stride + h * DC, k);
         for (int g = 0; g < GC; ++g) {
           vfloat a = q[g][0] * k[0];
           for (int j = 1; j < NV; ++j) a += q[g][j] * k[j];
-          s[(h * GC + g) * ctx + t0 + i] = hsum(a) * sc;
+          s[(h * GC + g) * ctx + b.t0 + i] = hsum(a) * sc;
         }
       }
     }
@@ -511,19 +526,16 @@ void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T*
   acc.assign(H * DC, 0.f);
   float* __restrict a = acc.data();  // [H][DC]
   for (int64_t blk = 0; blk < nblk; ++blk) {
-    const int64_t t0 = blk * bs, n = std::min(bs, ctx - t0);
-    const T* vb = vp + table[blk] * bs * tok_stride;
-    const T* vnext = blk + 1 < nblk ? vp + table[blk + 1] * bs * tok_stride : nullptr;
-    const int64_t nnext = blk + 1 < nblk ? std::min(bs, ctx - t0 - bs) : 0;
+    const SeqBlock<T> b = seq_block(vp, table, blk, ctx, bs, tok_stride);
     for (int64_t h = 0; h < KVH; ++h) {
       vfloat o[GC][NV];
       for (int g = 0; g < GC; ++g) load_head<NV>(a + (h * GC + g) * DC, o[g]);
-      for (int64_t i = 0; i < n; ++i) {
-        if (h == 0 && i < nnext) prefetch_head(vnext + i * tok_stride, tok_stride);
+      for (int64_t i = 0; i < b.n; ++i) {
+        if (h == 0 && i < b.nnext) prefetch_head(b.next + i * tok_stride, tok_stride);
         vfloat v[NV];
-        load_head<NV>(vb + i * tok_stride + h * DC, v);
+        load_head<NV>(b.rows + i * tok_stride + h * DC, v);
         for (int g = 0; g < GC; ++g) {
-          const vfloat pg = vsplat(s[(h * GC + g) * ctx + t0 + i]);
+          const vfloat pg = vsplat(s[(h * GC + g) * ctx + b.t0 + i]);
           for (int j = 0; j < NV; ++j) o[g][j] += pg * v[j];
         }
       }
