@@ -180,3 +180,22 @@ def test_a_tiny_llama_in_bfloat16_runs_int8_and_refuses_fp32_weights(tiny_llama_
     with pytest.raises(ValueError, match="weight_dtype fp32 means dense weights in dtype float32, but dtype is "
                                          "bfloat16"):
         LLM(tiny_llama_dir, kv_cache_tokens=512, dtype="bfloat16", weight_dtype="fp32")
+
+
+def test_generate_cli_takes_the_weight_dtype(tiny_llama_dir):
+    """``workbench generate --weight-dtype int8`` runs quantized weights; a format the real engine does not
+    run is a one-line usage error."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    args = ["generate", "--prompt", "hello there", "--model", str(tiny_llama_dir), "--max-tokens", "4", "--ignore-eos",
+            "--json"]
+    r = CliRunner().invoke(app, args + ["--weight-dtype", "int8"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)["outputs"][0]["token_ids"]) == 4
+    r = CliRunner().invoke(app, args + ["--weight-dtype", "fp8"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "weight_dtype" in r.output and "fp8" in r.output

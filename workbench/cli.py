@@ -76,6 +76,8 @@ def generate(
     stop: List[str] = typer.Option([], "--stop", help="stop string; repeatable"),
     ignore_eos: bool = typer.Option(False),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help="fp32 | bf16 | int8 | int4 "
+                                               "(default: the dense weights of --dtype)"),
     kv_cache_tokens: Optional[int] = typer.Option(None),
     max_model_len: Optional[int] = typer.Option(None),
     device: str = typer.Option("auto", help="auto (CUDA when present, else CPU) | cpu | cuda | cuda:N"),
@@ -88,7 +90,7 @@ def generate(
 
     raise typer.Exit(main(list(prompt), model, chat, engine, max_tokens, temperature, top_p, top_k, seed, list(stop),
                           ignore_eos, dtype, kv_cache_tokens, max_model_len, device, as_json, beam_width,
-                          length_penalty))
+                          length_penalty, weight_dtype))
 
 
 @trace_app.command("inspect")
@@ -273,6 +275,8 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="the id clients pass as model (default: --model)"),
     engine: str = typer.Option("paged", help="paged | static"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help="fp32 | bf16 | int8 | int4 "
+                                               "(default: the dense weights of --dtype)"),
     block_size: int = typer.Option(16),
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens (default 65536)"),
     max_num_seqs: int = typer.Option(256),
@@ -286,7 +290,7 @@ def serve(
     from workbench.commands.serve import main
 
     main(model, host, port, api_key, served_model_name, engine, dtype, block_size, kv_cache_tokens, max_num_seqs,
-         max_num_batched_tokens, max_model_len, max_waiting, seed, device)
+         max_num_batched_tokens, max_model_len, max_waiting, seed, device, weight_dtype)
 
 
 def main() -> None:  # pragma: no cover

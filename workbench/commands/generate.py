@@ -13,9 +13,11 @@ def main(prompts: list[str], model: str = "smollm2-135m", chat: bool = False, en
          max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
          seed: int | None = None, stop: list[str] = (), ignore_eos: bool = False, dtype: str = "float32",
          kv_cache_tokens: int | None = None, max_model_len: int | None = None, device: str = "auto",
-         as_json: bool = False, beam_width: int = 1, length_penalty: float = 1.0) -> int:
+         as_json: bool = False, beam_width: int = 1, length_penalty: float = 1.0,
+         weight_dtype: str | None = None) -> int:
     """Generate completions for all prompts as one batch and print them (``as_json``:
-    ``{"outputs": [{"prompt", "token_ids", "text", "finish_reason", ...}]}``).
+    ``{"outputs": [{"prompt", "token_ids", "text", "finish_reason", ...}]}``). ``weight_dtype`` None: the
+    dense weights of ``dtype``, else ``fp32``/``bf16``/``int8``/``int4``.
 
     Returns 1 when a request was rejected, else 0.
 
@@ -29,7 +31,7 @@ def main(prompts: list[str], model: str = "smollm2-135m", chat: bool = False, en
     check_real_engine(engine)
     with usage_errors(ValueError):
         llm = LLM(model, engine=engine, dtype=dtype, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
-                  seed=seed or 0, device=device)
+                  seed=seed or 0, device=device, weight_dtype=weight_dtype)
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                         stop=list(stop), ignore_eos=ignore_eos, beam_width=beam_width, length_penalty=length_penalty)
     bad = sp.validate()

@@ -9,8 +9,10 @@ from workbench.errors import UsageError, usage_errors
 def main(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
          served_model_name: str | None = None, engine: str = "paged", dtype: str = "float32", block_size: int = 16,
          kv_cache_tokens: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-         max_model_len: int | None = None, max_waiting: int = 1024, seed: int = 0, device: str = "auto") -> None:
-    """Serve until interrupted (``max_waiting`` 0: no limit on queued requests).
+         max_model_len: int | None = None, max_waiting: int = 1024, seed: int = 0, device: str = "auto",
+         weight_dtype: str | None = None) -> None:
+    """Serve until interrupted (``max_waiting`` 0: no limit on queued requests; ``weight_dtype`` None: the
+    dense weights of ``dtype``, else ``fp32``/``bf16``/``int8``/``int4``).
 
     Raises:
         UsageError: a bad option or engine setting, an unknown model, or an address that cannot be bound.
@@ -26,4 +28,4 @@ def main(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000,
                    max_waiting=max_waiting or None, engine=engine, dtype=dtype, block_size=block_size,
                    kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
-                   device=device)
+                   device=device, weight_dtype=weight_dtype)
