@@ -105,3 +105,19 @@ def test_engines_agree_across_linear_backends(tiny_llama_dir):
         assert rt["linear"] == backend and rt["dtype"] == "float32"
         assert rt["isa"] == list(cpu_features.cpu_flags())
     assert outs["onednn"] == outs["torch"]
+
+
+def test_warm_onednn_builds_each_shape_once_per_bucket():
+    """Warming runs one layer per distinct (in, out, dtype) at every bucket up to the step's rows, skips
+    F.linear layers, and leaves the layers' results unchanged."""
+    from engines.real.linear import warm_onednn
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(24, 40, generator=g), torch.randn(8, 40, generator=g)
+    layers = [Linear(a, None, "onednn"), Linear(a.clone(), None, "onednn"), Linear(b, None, "onednn"),
+              Linear(b, None, "torch")]
+    x = torch.randn(37, 40, generator=g)
+    before = layers[0](x)
+    assert warm_onednn(layers, 100) == 2 * len({onednn_rows_bucket(r) for r in range(1, 101)})
+    torch.testing.assert_close(layers[0](x), before)
+    assert warm_onednn(layers[3:], 100) == 0

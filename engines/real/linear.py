@@ -33,6 +33,8 @@ ONEDNN_ROWS_HINT = 64
 
 # row counts up to this run exactly; above it, 8 buckets per doubling
 ONEDNN_EXACT_ROWS = 16
+# engines warm the buckets up to this many rows at load (LlamaModel.warm_gemms)
+ONEDNN_WARM_MAX_ROWS = 4096
 
 
 def onednn_rows_bucket(rows: int) -> int:
@@ -93,6 +95,32 @@ class Linear:
             x = torch.cat([x, x.new_zeros(padded - rows, self.in_features)])
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return y[:rows].reshape(*lead, self.out_features)
+
+
+def warm_onednn(layers: list, max_rows: int) -> int:
+    """Run each distinct oneDNN layer shape once at every row bucket up to ``max_rows`` rows, on zeros.
+
+    oneDNN builds a primitive (about 1 MiB) the first time it sees a row count for a weight shape, and
+    keeps it; warming at load builds them all up front, so a server's resident memory does not creep up
+    while new batch sizes arrive (one layer per shape is enough: layers of the same shape share them).
+    Costs about one forward pass of the buckets' rows through one layer (under 1 s for SmolLM2 at 2,048).
+
+    Args:
+        layers: :class:`Linear` (others, such as quantized layers, are skipped).
+        max_rows: the most rows a step gives these layers.
+    Returns:
+        the number of (shape, row count) primitives warmed.
+    """
+    shapes = {}
+    for layer in layers:
+        if isinstance(layer, Linear) and layer.backend == "onednn":
+            shapes.setdefault((layer.in_features, layer.out_features, layer.dtype), layer)
+    buckets = sorted({onednn_rows_bucket(r) for r in range(1, max_rows + 1)})
+    with torch.no_grad():
+        for (in_features, _, dtype), layer in shapes.items():
+            for rows in buckets:
+                layer(torch.zeros(rows, in_features, dtype=dtype))
+    return len(shapes) * len(buckets)
 
 
 def model_weight_dtype(dtype: torch.dtype) -> str:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engines.core.config import ModelConfig
-from engines.real.linear import Linear, make_linear, model_weight_dtype, resolve_linear_backend
+from engines.real.linear import (ONEDNN_WARM_MAX_ROWS, Linear, make_linear, model_weight_dtype,
+                                 resolve_linear_backend, warm_onednn)
 from kernels.paged_attention import (paged_attention_decode, paged_attention_prefill, paged_attention_prefill_varlen,
                                      write_kv)
 
@@ -270,6 +271,15 @@ class LlamaModel:
         model_dir = Path(model_dir)
         return cls(ModelConfig.from_dir(model_dir), load_safetensors(model_dir), dtype, attention_backend, device,
                    weight_dtype, linear_backend)
+
+    def warm_gemms(self, max_tokens: int, max_sampled_rows: int) -> int:
+        """Build the oneDNN GEMM primitives of every row bucket up front (``engines.real.linear.warm_onednn``):
+        the body's layers up to ``max_tokens`` rows per step, the LM head up to ``max_sampled_rows``. A no-op
+        with ``F.linear``. Both are capped at ``ONEDNN_WARM_MAX_ROWS`` (4,096; warming scales with the rows, and
+        larger steps are rare: their primitives are built when they come). Returns the number warmed."""
+        body = [layer[k] for layer in self.layers[:1] for k in ("qkv", "o", "gate_up", "down")]
+        return (warm_onednn(body, min(max_tokens, ONEDNN_WARM_MAX_ROWS))
+                + warm_onednn([self.lm_head], min(max_sampled_rows, ONEDNN_WARM_MAX_ROWS)))
 
     def weight_bytes(self) -> int:
         """Bytes the weights take as stored: the layers' linear weights (quantized ones with their scales),

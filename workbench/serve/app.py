@@ -860,6 +860,10 @@ def serve(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000
     from engines.llm import LLM
 
     llm = LLM(model, **llm_kwargs)
+    # a long-running server builds oneDNN's per-row-count GEMM primitives now rather than as new batch sizes
+    # arrive, so its resident memory stays flat (engines.real.linear.warm_onednn)
+    cfg = llm.engine.scheduler.config
+    llm.engine.executor.model.warm_gemms(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     app = build_app(llm, served_model_name or model, api_key=api_key, max_waiting=max_waiting)
     print(f"serving {served_model_name or model} on http://{host}:{port}/v1 (metrics: http://{host}:{port}/metrics)",
           flush=True)
