@@ -43,9 +43,9 @@ def prompts(smollm2_dir):
     return [ids[(i * 37) % 200 : (i * 37) % 200 + n] for i, n in enumerate(LENGTHS)]
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_dir, prompts):
-    m = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+def hf_greedy(model_dir, prompts, dtype: torch.dtype) -> list[list[int]]:
+    """transformers' greedy ``generate`` of MAX_NEW tokens per prompt (EOS ignored), in ``dtype``."""
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     m.generation_config.eos_token_id = None
     out = []
     for p in prompts:
@@ -53,6 +53,11 @@ def reference(smollm2_dir, prompts):
         g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2)
         out.append(g[0, len(p):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, prompts):
+    return hf_greedy(smollm2_dir, prompts, torch.float32)
 
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
@@ -105,13 +110,7 @@ def test_paged_engine_in_bfloat16_agrees_with_transformers_in_bfloat16(smollm2_d
     attention_backend torch), as the CPU attention kernel changed; transformers' own bfloat16 against its
     float32 agrees on 0.74 of positions. The bounds leave room for that noise, and would catch a wrong
     bfloat16 path (which diverges at once)."""
-    m = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16)
-    m.generation_config.eos_token_id = None
-    reference = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=2)
-        reference.append(g[0, len(p):].tolist())
+    reference = hf_greedy(smollm2_dir, prompts, torch.bfloat16)
     outs = LLM(smollm2_dir, kv_cache_tokens=16384, max_model_len=2048, dtype="bfloat16").generate(prompts, GREEDY)
     pos, same, first = greedy_agreement(reference, [o.token_ids for o in outs])
     print(f"bf16 vs transformers bf16: positions {pos:.3f}, prompts identical {same:.3f}, first tokens {first:.3f}")
