@@ -5,6 +5,7 @@ import statistics
 
 import pytest
 
+from engines.core.row_buckets import gemm_rows
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq
 from engines.core.step_shape import StepShape
@@ -66,6 +67,31 @@ def test_table_fit_recovers_a_known_model_on_the_profile_grid():
     for step in (GridStep(prefills=((300, 0), (200, 0), (40, 0))), GridStep(20, 700, ((100, 300),))):
         f = step_features(grid_batch(step, 16, 8192).seqs)
         assert cm.predict_exec(f) == pytest.approx(true.predict_exec(f), rel=0.02)
+
+
+def test_row_buckets_make_the_body_a_step_function_of_the_tokens(tmp_path):
+    # the real engine's oneDNN layers run a 518-token step's GEMMs at 576 rows
+    assert gemm_rows(518, "onednn") == 576 and gemm_rows(518, "") == 518 and gemm_rows(16, "onednn") == 16
+    with pytest.raises(ValueError, match="row bucket scheme"):
+        gemm_rows(3, "mkl")
+    true = _true_model()
+    true.row_buckets = {"body": "onednn", "lm_head": "onednn"}
+    rows = []
+    for step in FULL_GRID:
+        f = step_features(grid_batch(step, 16, 8192).seqs)
+        rows.append((f, true.predict_exec(f)))
+    off = step_features(grid_batch(GridStep(prefills=((518, 0),)), 16, 8192).seqs)
+    cm = fit_table_model(rows, true.lm_table, row_buckets=true.row_buckets)
+    assert max(abs(cm.predict_exec(f) - t) / t for f, t in rows) < 1e-6
+    assert cm.predict_exec(off) == pytest.approx(true.predict_exec(off), rel=1e-6)
+    # the same steps fitted as if rows ran as they are: the off-bucket step comes out 7% short
+    plain = fit_table_model(rows, true.lm_table)
+    assert plain.predict_exec(off) < 0.95 * true.predict_exec(off)
+    cm.save(tmp_path / "p.json")
+    assert CostModel.load(tmp_path / "p.json").row_buckets == true.row_buckets
+    (tmp_path / "bad.json").write_text((tmp_path / "p.json").read_text().replace('"onednn"', '"mkl"'))
+    with pytest.raises(ValueError, match="not a cost-model profile"):
+        CostModel.load(tmp_path / "bad.json")
 
 
 def test_overhead_noise_and_speed_scale():

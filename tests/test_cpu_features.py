@@ -7,7 +7,8 @@ import torch
 
 from engines.factory import EngineConfig
 from engines.real import cpu_features
-from engines.real.linear import Linear, onednn_rows_bucket, resolve_linear_backend
+from engines.core.row_buckets import onednn_rows_bucket
+from engines.real.linear import Linear, resolve_linear_backend
 
 
 @pytest.fixture
@@ -121,3 +122,25 @@ def test_warm_onednn_builds_each_shape_once_per_bucket():
     assert warm_onednn(layers, 100) == 2 * len({onednn_rows_bucket(r) for r in range(1, 101)})
     torch.testing.assert_close(layers[0](x), before)
     assert warm_onednn(layers[3:], 100) == 0
+
+
+def test_replay_warm_up_builds_the_gemm_buckets_of_the_step_budget(tiny_llama_dir, monkeypatch):
+    """A real engine's warm-up before a replay warms its GEMMs up to the step token budget (paged) or the
+    warm cap (static), and the LM head up to the most sequences of a step; the model's row buckets tell
+    the simulator to look its tables up at the padded rows."""
+    from engines import LLM
+    from engines.real.linear import ONEDNN_WARM_MAX_ROWS
+    from engines.real.model import LlamaModel
+    from workbench.runner import warm_up
+
+    calls = []
+    monkeypatch.setattr(LlamaModel, "warm_gemms", lambda self, t, s: calls.append((t, s)) or 0)
+    paged = LLM(tiny_llama_dir, kv_cache_tokens=1024, max_num_seqs=8, max_num_batched_tokens=256)
+    warm_up(paged.engine)
+    static = LLM(tiny_llama_dir, engine="static", kv_cache_tokens=1024, max_batch_size=6)
+    warm_up(static.engine)
+    assert calls == [(256, 8), (ONEDNN_WARM_MAX_ROWS, 6)]
+    assert not paged.engine.steps  # the warm-up request's steps are forgotten
+    assert paged.engine.executor.model.row_buckets() == {"body": "onednn", "lm_head": "onednn"}
+    plain = LLM(tiny_llama_dir, kv_cache_tokens=1024, linear_backend="torch")
+    assert plain.engine.executor.model.row_buckets() == {"body": "", "lm_head": ""}

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.core.config import DENSE_WEIGHT_DTYPE, REAL_WEIGHT_DTYPES
+from engines.core.row_buckets import onednn_rows_bucket
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
@@ -31,20 +32,8 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn")
 # 5% of the best hint from 8 to 1,024 rows on the machine above
 ONEDNN_ROWS_HINT = 64
 
-# row counts up to this run exactly; above it, 8 buckets per doubling
-ONEDNN_EXACT_ROWS = 16
 # engines warm the buckets up to this many rows at load (LlamaModel.warm_gemms)
 ONEDNN_WARM_MAX_ROWS = 4096
-
-
-def onednn_rows_bucket(rows: int) -> int:
-    """The row count at or above ``rows`` that a oneDNN GEMM is run at: ``rows`` itself up to 16, else
-    rounded up to a multiple of 1/16 of the power of two at or above it (17-32 in steps of 2, 33-64 in
-    steps of 4, ..., 1,025-2,048 in steps of 128), so at most 1/8 extra rows and 8 row counts per doubling."""
-    if rows <= ONEDNN_EXACT_ROWS:
-        return rows
-    step = 1 << ((rows - 1).bit_length() - 4)
-    return -(-rows // step) * step
 
 
 def resolve_linear_backend(backend: str, device: torch.device) -> str:

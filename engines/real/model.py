@@ -281,6 +281,15 @@ class LlamaModel:
         return (warm_onednn(body, min(max_tokens, ONEDNN_WARM_MAX_ROWS))
                 + warm_onednn([self.lm_head], min(max_sampled_rows, ONEDNN_WARM_MAX_ROWS)))
 
+    def row_buckets(self) -> dict[str, str]:
+        """How the GEMMs pad their rows (``engines.core.row_buckets``), for the simulator's cost model:
+        ``{"body": scheme, "lm_head": scheme}``, ``"onednn"`` where those layers run oneDNN (padded to a row
+        bucket), ``""`` where they run their rows as they are (``F.linear``, quantized layers)."""
+        def scheme(layer) -> str:
+            return "onednn" if isinstance(layer, Linear) and layer.backend == "onednn" else ""
+
+        return {"body": scheme(self.layers[0]["qkv"]) if self.layers else "", "lm_head": scheme(self.lm_head)}
+
     def weight_bytes(self) -> int:
         """Bytes the weights take as stored: the layers' linear weights (quantized ones with their scales),
         the embedding, the LM head when it is not tied to it, and the norms."""

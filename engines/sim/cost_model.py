@@ -2,14 +2,18 @@
 
 A step's shape is ``engines.core.step_shape.StepShape``. A measured (table) cost model predicts::
 
-    t_exec = B(tokens) + L(sampled) + c_row * (decode_rows + padding_rows) + c_ctx * live_ctx
+    t_exec = B(g_b(tokens)) + L(g_l(sampled)) + c_row * (decode_rows + padding_rows) + c_ctx * live_ctx
              + c_scat * scattered_ctx + c_pad * padding_ctx + c_seq * prefill_seqs + c_attn * prefill_attn + c_pctx * prefill_ctx + c_samp * sampled
     t_step = t_exec + o_const + o_seq * num_seqs
 
 * ``B(tokens)``: the model body's GEMMs (every row: prefill tokens, decode and padding rows), embedding,
   norms, RoPE, K/V writes and building the step's input tensors, as a piecewise-linear function of the token
   count (knots at the profiled token counts, linear past the last one): CPU GEMM time is far from linear
-  at small batches, where reading the weights dominates.
+  at small batches, where reading the weights dominates. ``g_b`` and ``g_l`` are the row counts the GEMMs
+  really run at (``row_buckets``; ``engines.core.row_buckets``): oneDNN layers pad a step's rows up to a
+  bucket (a 518-token step runs its GEMMs at 576 rows), so ``B`` is a step function of the tokens, which
+  interpolating between measured token counts alone under-predicted by up to 11% (the rest of ``B``, norms and
+  RoPE, is charged at the padded rows too: a few percent of it).
 * ``L(sampled)``: the LM head (``[rows, hidden] x [hidden, vocab]``), measured on its own per row count.
 * decode attention reads each live row's KV (``live_ctx``: the live rows' share of ``decode_ctx``), more
   slowly where its blocks are scattered over the pool (``scattered_ctx``), and costs a little per row; a static padding row reads the one scratch block over and over (``padding_ctx``), which
@@ -40,10 +44,11 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engines.core.row_buckets import gemm_rows
 from engines.core.step_shape import StepShape
 
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
-PROFILE_FORMAT = 5  # the measured features, grid and repeats; a profile cached under another format is measured anew
+PROFILE_FORMAT = 6  # the measured features, grid and repeats; a profile cached under another format is measured anew
 # linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
 TABLE_FEATURES = ("rows", "live_ctx", "scattered_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx",
                   "sampled")
@@ -86,6 +91,9 @@ class CostModel:
         speed_scale: multiplies every prediction (a drift correction; 1.0 as measured); with
             ``speed_scale_large`` set, only those of steps of at most :data:`SCALE_SMALL_TOKENS` tokens
             and the engine overhead.
+        row_buckets: ``{"body": scheme, "lm_head": scheme}``: how the real engine's GEMMs pad their rows
+            (``engines.core.row_buckets.gemm_rows``; missing or ``""``: not at all); ``B`` and ``L`` are
+            looked up at the padded rows.
         speed_scale_large: the drift correction of steps of at least :data:`SCALE_LARGE_TOKENS` tokens
             (None: ``speed_scale`` for every step); between the two sizes the factor is interpolated
             linearly in log(tokens). See :meth:`scale`.
@@ -102,6 +110,7 @@ class CostModel:
     created: str = ""
     speed_scale: float = 1.0
     speed_scale_large: float | None = None
+    row_buckets: dict[str, str] = field(default_factory=dict)
 
     def scale(self, tokens: float) -> float:
         """The drift factor of a step of ``tokens`` tokens (see ``speed_scale_large``)."""
@@ -116,11 +125,19 @@ class CostModel:
     def predict_exec(self, f: dict[str, float]) -> float:
         """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""
         if self.body_table:
-            t = interp(self.body_table, f["tokens"]) + interp(self.lm_table, f.get("sampled", 0.0))
+            t = interp(self.body_table, self.body_rows(f["tokens"])) + self.predict_lm_head(f.get("sampled", 0.0))
             t += sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in TABLE_FEATURES)
         else:
             t = sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in FEATURES)
         return max(0.0, t) * self.scale(f.get("tokens", 0.0))
+
+    def body_rows(self, tokens: float) -> float:
+        """The rows the model body's GEMMs run at for a step of ``tokens`` tokens (see ``row_buckets``)."""
+        return gemm_rows(tokens, self.row_buckets.get("body", ""))
+
+    def predict_lm_head(self, sampled: float) -> float:
+        """Seconds of the LM head over ``sampled`` rows: ``lm_table`` at the rows its GEMM runs at."""
+        return interp(self.lm_table, gemm_rows(sampled, self.row_buckets.get("lm_head", "")))
 
     def predict_overhead(self, num_seqs: int) -> float:
         """Seconds of the engine's own work around a step of ``num_seqs`` sequences (0 with no overhead model)."""
@@ -180,9 +197,18 @@ class CostModel:
                        fit_error=d.get("fit_error", {}), body_table=d.get("body_table", []),
                        lm_table=d.get("lm_table", []), overhead=d.get("overhead", {}),
                        noise_cv=float(d.get("noise_cv", 0.0)), fingerprint=d.get("fingerprint", {}),
-                       created=d.get("created", ""))
+                       created=d.get("created", ""), row_buckets=_row_buckets(d.get("row_buckets", {})))
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{p}: not a cost-model profile ({e})") from None
+
+
+def _row_buckets(value) -> dict[str, str]:
+    """A profile's ``row_buckets``, checked (ValueError: not a mapping of known schemes)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"row_buckets must be a mapping, got {value!r}")
+    for scheme in value.values():
+        gemm_rows(1.0, scheme)
+    return {str(k): str(v) for k, v in value.items()}
 
 
 class StepNoise:

@@ -18,7 +18,7 @@ from typing import Callable
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
-from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, interp, relative_nnls, step_features
+from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, relative_nnls, step_features
 
 
 @dataclass(frozen=True)
@@ -245,23 +245,26 @@ def engine_overhead(num_requests: int = 64, prompt_tokens: int = 48, output_toke
 
 
 def fit_table_model(rows: list[tuple[dict, float]], lm_table: list[list[float]],
-                    knots: tuple[int, ...] = KNOTS) -> CostModel:
+                    knots: tuple[int, ...] = KNOTS, row_buckets: dict[str, str] | None = None) -> CostModel:
     """Fit ``B``'s knot values and the linear terms (``TABLE_FEATURES``) of a table cost model on measured
     ``(features, seconds)`` rows, after subtracting the measured LM head time: relative-error NNLS.
     ``B`` has a knot at each of ``knots`` that some row's token count equals, and one at the largest token
-    count (past it ``B`` extrapolates its last segment)."""
+    count (past it ``B`` extrapolates its last segment). ``row_buckets``: how the engine's GEMMs pad their
+    rows (``CostModel.row_buckets``); ``B`` is fitted over the padded rows, its knots at padded row counts."""
     import numpy as np
 
-    measured = {f["tokens"] for f, _ in rows}
-    ks = sorted({k for k in knots if k in measured} | {max(measured)})  # a knot no step measured is not fitted
+    shell = CostModel({}, lm_table=lm_table, row_buckets=dict(row_buckets or {}))
+    measured = {shell.body_rows(f["tokens"]) for f, _ in rows}
+    # a knot no step measured is not fitted
+    ks = sorted({shell.body_rows(k) for k in knots} & measured | {max(measured)})
     x, y = [], []
     for f, t in rows:
-        x.append(hat_weights(ks, f["tokens"]) + [f.get(k, 0.0) for k in TABLE_FEATURES])
-        y.append(max(t - interp(lm_table, f.get("sampled", 0.0)), 0.05 * t))
+        x.append(hat_weights(ks, shell.body_rows(f["tokens"])) + [f.get(k, 0.0) for k in TABLE_FEATURES])
+        y.append(max(t - shell.predict_lm_head(f.get("sampled", 0.0)), 0.05 * t))
     sol = relative_nnls(np.array(x), np.array(y))
     body = [[float(k), float(v)] for k, v in zip(ks, sol[: len(ks)])]
     coef = {k: float(v) for k, v in zip(TABLE_FEATURES, sol[len(ks):])}
-    return CostModel(coef, body_table=body, lm_table=lm_table)
+    return CostModel(coef, body_table=body, lm_table=lm_table, row_buckets=shell.row_buckets)
 
 
 def relative_errors(cm: CostModel, rows) -> list[float]:
@@ -296,8 +299,10 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     tick()
     held = [r for i, r in enumerate(rows) if i % holdout_every == holdout_every - 1]
     train = [r for i, r in enumerate(rows) if i % holdout_every != holdout_every - 1]
-    held_errs = [abs(e) for e in relative_errors(fit_table_model([r[:2] for r in train], lm_table), held)]
-    cm = fit_table_model([r[:2] for r in rows], lm_table)
+    buckets = executor.model.row_buckets() if hasattr(executor.model, "row_buckets") else {}
+    held_errs = [abs(e) for e in relative_errors(fit_table_model([r[:2] for r in train], lm_table,
+                                                                 row_buckets=buckets), held)]
+    cm = fit_table_model([r[:2] for r in rows], lm_table, row_buckets=buckets)
     fit_errs = [abs(e) for e in relative_errors(cm, rows)]
     cm.overhead = overhead
     cm.noise_cv = statistics.median(r[2] for r in rows)
