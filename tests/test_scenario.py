@@ -263,7 +263,8 @@ def test_scenario_hash_stable_and_sensitive(scen_dir):
 # it here): results and gate baselines (reports/baselines/ci-sim.json) name their scenario by it
 COMMITTED_HASHES = {
     # changed on purpose: sim engines default to cost_model auto (this machine's profile), ci-sim names the
-    # committed builtin:ci-reference profile, prefix-sharing and chunked-prefill gained a static engine and its twin
+    # committed builtin:ci-reference profile, prefix-sharing and chunked-prefill gained a static engine and its twin;
+    # prefix-sharing offers a load relative to its no-cache engine's capacity
     "scenarios/azure-code.yaml": "64ec2e6d6c2400c4",
     "scenarios/chunked-prefill.yaml": "de506d622d074c45",
     "scenarios/ci-fidelity.yaml": "8ca445275077c090",
@@ -272,7 +273,7 @@ COMMITTED_HASHES = {
     "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",
     "scenarios/paper/pagedattention_opt13b.yaml": "944a0520980a97f0",
     "scenarios/peers/concurrency.yaml": "60e33cb6be33e5f8",
-    "scenarios/prefix-sharing.yaml": "53c1904cf2491917",
+    "scenarios/prefix-sharing.yaml": "51e8e2a38b978065",
     "scenarios/quickstart.yaml": "b17ac7f8aafcecb1",
 }
 
