@@ -115,6 +115,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _module().silu_and_mul(x)
 
 
+def prefill_bf16_dot() -> bool:
+    """True when the build computes bfloat16 prefill scores with ``vdpbf16ps`` (compiled with
+    ``-march=native`` on a CPU with ``avx512_bf16``): bfloat16 keys are read in place instead of converted to
+    float32 per key tile. ``WORKBENCH_PREFILL_FP32_KEYS=1`` turns that path off per call (benchmarks compare
+    the two). RuntimeError when the kernel is unavailable."""
+    return bool(_module().prefill_bf16_dot())
+
+
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
     """Same contract as ``kernels.paged_attention.paged_attention_decode`` (float32 or bfloat16 tensors of
     one dtype, CPU, contiguous caches).

@@ -148,6 +148,31 @@ def test_bf16_varlen_matches_the_float32_reference(i, kernel):
     torch.testing.assert_close(out.float(), dense_reference(step), **BF16_TOL)
 
 
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_bf16_scores_by_pair_dot_products_match_the_float32_key_path(i, kernel, monkeypatch):
+    """On a CPU with avx512_bf16 the kernel computes bfloat16 scores with vdpbf16ps, keys read in place; the
+    products of two bfloat16 values are exact in float32, so it differs from the float32-key path only in
+    the order of float32 additions: both within the float32 reference's tolerance, and within one bfloat16
+    ulp of each other (each rounds to bfloat16 on its own, so where the exact value lies near a rounding
+    boundary one may round up and the other down: one ulp, up to 2**-7 relative). Elsewhere both calls take the float32-key path and agree bit for bit."""
+    from engines.real.cpu_features import cpu_flags
+
+    if "avx512_bf16" in cpu_flags():
+        assert cpu_ops.prefill_bf16_dot(), "built on an avx512_bf16 CPU without the vdpbf16ps score path"
+    chunks, h, kvh, d, bs = CASES[i]
+    step = make_step(200 + i, chunks, h, kvh, d, bs, dtype=torch.bfloat16)
+    dot = run(cpu_ops.paged_attention_prefill_varlen, step)
+    monkeypatch.setenv("WORKBENCH_PREFILL_FP32_KEYS", "1")
+    f32 = run(cpu_ops.paged_attention_prefill_varlen, step)
+    want = dense_reference(step)
+    torch.testing.assert_close(dot.float(), want, **BF16_TOL)
+    torch.testing.assert_close(f32.float(), want, **BF16_TOL)
+    if cpu_ops.prefill_bf16_dot() and d % 2 == 0:
+        torch.testing.assert_close(dot.float(), f32.float(), atol=1e-4, rtol=2**-7)
+    else:
+        assert torch.equal(dot, f32)
+
+
 def test_a_strided_query_view_reads_like_a_copy(kernel):
     """q as the model passes it: the query columns of the fused qkv output (rows strided)."""
     step = make_step(7, [(33, 5), (20, 0)], 9, 3, 64, 16)
