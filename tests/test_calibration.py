@@ -158,3 +158,35 @@ def test_named_profile_of_another_machine_warns_and_of_another_model_fails(tiny_
     with pytest.raises(ValueError, match="engine b: cost_model other-model.json: the profile measured another "
                                          "computation \\(model_config_sha256"):
         load_cost_model(scenario, scenario.engines[1], tiny_llama_dir)
+
+
+def test_sensitivity_reruns_a_sim_twin_with_slower_steps(tiny_llama_dir, tmp_path):
+    """With a real twin, the sim engine runs again with every step 5% slower (same seeds): a step-time
+    model with no queueing (requests arrive one at a time, far apart) moves every latency by 5% (elasticity
+    1) and the arrival-bound throughput hardly at all."""
+    import yaml
+
+    from workbench.runner import run_scenario, slowed_cost_model
+    from workbench.scenario import load_scenario
+
+    fp = fingerprint(str(tiny_llama_dir), tiny_llama_dir)
+    CostModel({"const": 0.004, "tokens": 2e-5}, fingerprint=fp, created="now").save(tmp_path / "cm.json")
+    sc = {"name": "sens", "model": str(tiny_llama_dir), "trace": {"format": "synthetic", "synthetic": {
+        "num_requests": 3, "request_rate": 2.0, "input_tokens": 10, "output_tokens": 4}},
+        "engines": [{"name": "paged", "kind": "paged", "kv_cache_tokens": 256, "max_model_len": 64},
+                    {"name": "sim-paged", "kind": "sim", "kv_cache_tokens": 256, "max_model_len": 64,
+                     "cost_model": "cm.json", "step_noise": False}]}
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(sc))
+    res = run_scenario(load_scenario(p), tmp_path / "out", plots=False, sensitivity=True)
+    sens = res["engines"]["sim-paged"]["summary"]["sim_error"]["sensitivity"]
+    assert sens["n_seeds"] == 1 and sens["step_time_change"] == 0.05
+    for key in ("ttft_ms.p50", "tpot_ms.p50", "e2el_ms.p50"):
+        assert sens["elasticity"][key] == pytest.approx(1.0, abs=0.02), sens
+    assert abs(sens["elasticity"]["output_throughput"]) < 0.1  # arrival-bound: throughput hardly moves
+    res = run_scenario(load_scenario(p), tmp_path / "out2", plots=False)
+    assert "sensitivity" not in res["engines"]["sim-paged"]["summary"]["sim_error"]
+    cm = CostModel({"const": 0.01}, speed_scale=0.9, speed_scale_large=1.2)
+    slow = slowed_cost_model(cm, 0.05)
+    assert slow.scale(1) == pytest.approx(0.945) and slow.scale(4096) == pytest.approx(1.26)
+    assert cm.speed_scale == 0.9  # the original is left as it is

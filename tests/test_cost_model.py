@@ -173,6 +173,31 @@ def test_real_spread_says_whether_the_sim_is_within_the_real_repeats():
     assert "1 of 2 figures within the real repeats' range" in summary_line(err)
 
 
+def test_sensitivity_is_the_mean_relative_move_per_unit_of_step_time():
+    from workbench.fidelity import FIGURE_BOUNDS, sensitivity, summary_line
+
+    def summ(thr, ttft, tpot):
+        return {"output_throughput": thr, "ttft_ms": {"p50": ttft, "p99": 2 * ttft}, "tpot_ms": {"p50": tpot},
+                "e2el_ms": {"p50": None}}
+
+    as_run = [summ(100.0, 1000.0, 200.0), summ(110.0, 2000.0, 300.0)]
+    slowed = [summ(95.0, 1100.0, 250.0), summ(104.5, 2200.0, 360.0)]  # throughput -5%, TTFT +10%, TPOT +25%/+20%
+    got = sensitivity(as_run, slowed, step=0.05)
+    assert got["n_seeds"] == 2 and got["step_time_change"] == 0.05
+    e = got["elasticity"]
+    assert e["output_throughput"] == pytest.approx(-1.0)
+    assert e["ttft_ms.p50"] == pytest.approx(2.0) and e["ttft_ms.p99"] == pytest.approx(2.0)
+    assert e["tpot_ms.p50"] == pytest.approx((0.25 + 0.20) / 2 / 0.05)
+    assert "e2el_ms.p50" not in e  # missing in the summaries: no figure, not a zero
+    assert got["step_error_for_bound"]["tpot_ms.p50"] == pytest.approx(FIGURE_BOUNDS["tpot_ms.p50"] / 4.5)
+    with pytest.raises(ValueError, match="one slowed run per run"):
+        sensitivity(as_run, slowed[:1])
+    err = {"real_engine": "paged", "step": {}, "request": {}, "sensitivity": got,
+           "dist": {"output_throughput": 0.0, **{m: {"p50": 0.0, "p99": 0.0} for m in
+                                                 ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
+    assert "5% slower steps move throughput -5.0%, ttft p50 +10.0%, tpot p50 +22.5%" in summary_line(err)
+
+
 def test_cheap_grid_steps_get_more_runs():
     """Steps under ``cheap_s`` are timed ``cheap_repeats`` times in all (one warm-up run besides)."""
     from collections import Counter

@@ -31,7 +31,9 @@ def fidelity_run(tmp_path_factory, smollm2_dir):
     # three interleaved real runs (and three noise-seeded simulated ones) rather than one: in one run the static
     # engine's closed-loop users can flip which batch a request joins (measured: the same 32 requests took 7
     # prefill batches in the real run and 8 in the simulated one, and E2EL p50 moved by 20%)
-    return run_scenario(sc, tmp / "run", plots=False, repeat=3)
+    # sensitivity: each sim engine again with 5% slower steps, so the printed line says how far each figure
+    # moves per step-time error (how precise the cost model must be for the bound)
+    return run_scenario(sc, tmp / "run", plots=False, repeat=3, sensitivity=True)
 
 
 @pytest.mark.parametrize("sim", ["sim-paged", "sim-static"])
@@ -42,6 +44,7 @@ def test_simulator_within_ci_bounds_of_the_real_engine(fidelity_run, sim):
           f"({fidelity_run['machine']['processor']}, {fidelity_run['machine']['cpu_capability']}, "
           f"{fidelity_run['machine']['torch_threads']} threads)")
     assert err["request"]["n_matched"] == fidelity_run["num_requests"]
+    assert err["sensitivity"]["n_seeds"] == 3 and "output_throughput" in err["sensitivity"]["elasticity"]
     assert err["step"]["n_steps"] > 20 and err["step"]["noise_floor"] is not None
     assert abs(err["dist"]["output_throughput"]) <= BOUNDS["output_throughput"], err["dist"]
     assert abs(err["dist"]["e2el_ms"]["p50"]) <= BOUNDS["e2el_p50"], err["dist"]

@@ -109,11 +109,13 @@ def trace_inspect(path: str = typer.Argument(..., help="trace file"),
 def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
         out: Optional[str] = typer.Option(None, "--out", help="results folder (default reports/runs/<name>-<time>)"),
         set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (engines by name)"),
-        repeat: int = typer.Option(1, "--repeat", help="run the real engines N times, interleaved; report means and spread")) -> None:
+        repeat: int = typer.Option(1, "--repeat", help="run the real engines N times, interleaved; report means and spread"),
+        sensitivity: bool = typer.Option(True, "--sensitivity/--no-sensitivity",
+                                         help="rerun each sim engine with 5% slower steps: how far each figure moves")) -> None:
     """Replay the scenario's trace on each engine; write results.json, CSVs, PNGs and report.html."""
     from workbench.commands.run import main
 
-    main(scenario, out, set_, repeat)
+    main(scenario, out, set_, repeat, sensitivity)
 
 
 @app.command()

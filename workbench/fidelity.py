@@ -29,6 +29,7 @@ FORMULAS = {
     "profile": "a sim engine's cost model: path, fingerprint (CPU model and ISA flags, torch CPU kernel level, threads, torch version, model and its config hash, dtype, weight dtype, attention kernels) and when it was measured; cost_model auto measures this machine's on first use (workbench.calibration)",
     "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed; a sim engine takes the probes of its real twin's runs (probes_of; all real runs' when it has no twin); speed_ratio = geometric mean over them of measured / profile-predicted executor seconds; speed_ratio_small and speed_ratio_large = the same over probe steps of fewer and of at least engines.sim.profiler.LARGE_PROBE_TOKENS tokens; when either is off by more than margin and both are within [1 / max, max] the sim engine's predictions are multiplied by a factor of the step's tokens: speed_ratio_small up to 64 tokens, speed_ratio_large from 256 tokens, linear in log(tokens) between (CostModel.scale; rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
+    "sim_error.sensitivity": "how much each figure moves when every simulated step is slower by step_time_change (5%): the sim engine is run again with its cost model's predictions times 1 + step_time_change, with the same noise seeds as its runs; elasticity[figure] = mean over the seeds of (slowed / as run - 1) / step_time_change (1.0: the figure moves as much as the step time; 5.0: five times as much); step_error_for_bound[figure] = bound / |elasticity|: the largest error of the step times that keeps the figure within its bound (the bounds: 5% throughput, 10% p50s, 15% p99s)",
     "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat",
 }
 
@@ -144,6 +145,43 @@ def real_spread(sim: dict, real: dict) -> dict | None:
     return out
 
 
+SENSITIVITY_STEP = 0.05  # the step-time change of the sensitivity runs
+# figure -> the bound a simulated figure is held to against the mean of the real repeats
+FIGURE_BOUNDS = {"output_throughput": 0.05, "ttft_ms.p50": 0.10, "tpot_ms.p50": 0.10, "e2el_ms.p50": 0.10,
+                 "ttft_ms.p99": 0.15, "itl_ms.p99": 0.15, "e2el_ms.p99": 0.15}
+
+
+def figure(summary: dict, key: str) -> float | None:
+    """A summary figure by key: ``output_throughput`` or ``<metric>.<stat>`` (None where missing)."""
+    metric, _, stat = key.partition(".")
+    v = summary.get(metric)
+    v = (v or {}).get(stat) if stat else v
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def sensitivity(as_run: list[dict], slowed: list[dict], step: float = SENSITIVITY_STEP) -> dict:
+    """How strongly each figure of :data:`FIGURE_BOUNDS` follows the step times
+    (``FORMULAS["sim_error.sensitivity"]``). ``as_run`` and ``slowed``: per-seed summaries of the sim engine
+    as run and with every step ``1 + step`` times as long, in the same seed order.
+
+    Raises:
+        ValueError: the two lists differ in length or are empty.
+    """
+    if not as_run or len(as_run) != len(slowed):
+        raise ValueError(f"sensitivity needs one slowed run per run, got {len(as_run)} and {len(slowed)}")
+    elasticity, need = {}, {}
+    for key, bound in FIGURE_BOUNDS.items():
+        ratios = [(figure(b, key), figure(s, key)) for b, s in zip(as_run, slowed)]
+        ratios = [s / b - 1.0 for b, s in ratios if b and s is not None]
+        if not ratios:
+            continue
+        e = statistics.fmean(ratios) / step
+        elasticity[key] = e
+        need[key] = bound / abs(e) if e else None
+    return {"step_time_change": step, "n_seeds": len(as_run), "elasticity": elasticity,
+            "step_error_for_bound": need}
+
+
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
               real_steps: list) -> dict:
     """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name`` (``*_runs``: each
@@ -169,6 +207,13 @@ def summary_line(err: dict) -> str:
     if spread:
         inside = sum(v["within_range"] for v in spread.values())
         parts.append(f"{inside} of {len(spread)} figures within the real repeats' range")
+    sens = (err.get("sensitivity") or {}).get("elasticity")
+    if sens:
+        step = err["sensitivity"]["step_time_change"]
+        moved = ", ".join(f"{k.replace('_ms', '').replace('.', ' ').replace('output_throughput', 'throughput')} "
+                          f"{pct(v * step)}" for k, v in sens.items() if k in ("output_throughput", "ttft_ms.p50",
+                                                                              "tpot_ms.p50", "e2el_ms.p50"))
+        parts.append(f"{step:.0%} slower steps move {moved}")
     if st.get("n_steps"):
         nf = st.get("noise_floor")
         sm = st.get("shape_median_mape")
@@ -177,5 +222,5 @@ def summary_line(err: dict) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["FORMULAS", "dist_errors", "real_spread", "request_errors", "shape_key", "sim_error", "step_errors",
+__all__ = ["FIGURE_BOUNDS", "FORMULAS", "SENSITIVITY_STEP", "dist_errors", "figure", "sensitivity", "real_spread", "request_errors", "shape_key", "sim_error", "step_errors",
            "summary_line"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import gc
 import json
@@ -17,6 +18,7 @@ from engines.sim.catalog import GIB
 from engines.sim.cost_model import CostModel
 from engines.real.cpu_features import cpu_flags, cpu_name, native_bf16
 from workbench.fidelity import FORMULAS as FIDELITY_FORMULAS
+from workbench.fidelity import SENSITIVITY_STEP
 from workbench.metrics import FORMULAS, summarize
 from workbench.replay import make_requests, replay_realtime, replay_simulated
 from workbench.report import make_plots, requests_frame, steps_frame, write_html
@@ -291,12 +293,20 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
                                   for p in run["steps"]]} for run in probes]}
 
 
-def add_sim_errors(results: dict, per_engine: dict, cost_models: dict) -> None:
+def slowed_cost_model(cm: CostModel, change: float) -> CostModel:
+    """A copy of ``cm`` whose every prediction (executor and overhead, drift factors included) is
+    ``1 + change`` times as long."""
+    large = cm.speed_scale_large if cm.speed_scale_large is not None else cm.speed_scale
+    return dataclasses.replace(cm, speed_scale=cm.speed_scale * (1 + change), speed_scale_large=large * (1 + change))
+
+
+def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: dict | None = None) -> None:
     """Give each sim engine ``summary.sim_error`` against its real twin (:func:`twin_of`):
     ``workbench.fidelity.sim_error``; the step level needs the sim engine's measured cost model (an analytic
     one simulates another machine: step, request and distribution errors against this one mean nothing, so
-    it gets none)."""
-    from workbench.fidelity import sim_error
+    it gets none). ``slowed``: sim engine -> its per-seed summaries with every step slower by
+    ``SENSITIVITY_STEP`` (``sim_error.sensitivity``)."""
+    from workbench.fidelity import sensitivity, sim_error
 
     engines = results["engines"]
     for name, e in engines.items():
@@ -309,6 +319,8 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict) -> None:
         e["summary"]["sim_error"] = sim_error(
             cost_models[name], e["summary"], [r[1] for r in per_engine[name]], real, engines[real]["summary"],
             [r[1] for r in runs], [st for r in runs for st in r[2]])
+        if slowed and name in slowed:
+            e["summary"]["sim_error"]["sensitivity"] = sensitivity([r[0] for r in per_engine[name]], slowed[name])
 
 
 def _versions() -> dict:
@@ -322,7 +334,7 @@ def _versions() -> dict:
 
 
 def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool = True, repeat: int = 1,
-                 echo: Callable[[str], None] | None = None) -> dict:
+                 echo: Callable[[str], None] | None = None, sensitivity: bool = False) -> dict:
     """Run every engine of the scenario, write ``results.json``, per-engine CSVs, PNGs and ``report.html``
     into ``out_dir``; returns the results dict.
 
@@ -331,7 +343,9 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     ``repeat`` runs the real engines that many times, interleaved (paged, static, paged, static, ...), and
     reports each summary number's mean plus ``summary.repeats`` (spread); a sim engine with step noise runs as
     many times with noise seeds ``seed + i``, one without runs once (it is deterministic). With ``trace.load`` the engines' saturation capacities are probed first (once) and the
-    trace is rescaled to the offered load; ``echo`` (optional) gets a line about each probe.
+    trace is rescaled to the offered load; ``echo`` (optional) gets a line about each probe. ``sensitivity``
+    runs each sim engine that has a real twin again with every step 5% slower, same seeds, and reports how
+    far each figure moves (``sim_error.sensitivity``: how precise the step times must be for each bound).
 
     Raises:
         ValueError: ``repeat`` < 1, a capacity probe in which nothing finished, or a bad trace/engine setting.
@@ -405,7 +419,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         return [r[3]["probe"] for n in names for r in per_engine[n] if "probe" in r[3]]
 
     all_probes, kinds = probes_of([s.name for s in reals]), {s.name: {"kind": s.kind} for s in reals}
-    drifts = {}
+    drifts, slowed = {}, {}
     for spec in sims:
         cm = None
         if spec.name in measured:
@@ -430,6 +444,14 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         for rep in range(repeat if noisy else 1):
             run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 and noisy else ""), cm,
                     scenario.model_copy(update={"seed": scenario.seed + rep}))
+        if sensitivity and cm is not None and twin_of(spec.name, getattr(spec, "policy", None) or "paged", kinds):
+            slow = slowed_cost_model(cm, SENSITIVITY_STEP)
+            slowed[spec.name] = []
+            for rep in range(repeat if noisy else 1):
+                sc = scenario.model_copy(update={"seed": scenario.seed + rep})
+                outs, steps = run_engine(sc, spec, model_dir, model_cfg, trace, eos, cost_model=slow, launch_pool=pool,
+                                         out_dir=out_dir)
+                slowed[spec.name].append(summarize(outs, steps, len(trace), slo))
     frames = {}
     for spec in scenario.engines:
         runs = per_engine[spec.name]
@@ -457,7 +479,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
                 frames[spec.name] = (rf, sf)
     if drifts:
         results["drift"] = next((d for d in drifts.values() if d), None)
-    add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()})
+    add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()}, slowed)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if not plots:
         return results

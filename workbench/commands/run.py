@@ -9,10 +9,12 @@ from workbench.errors import UsageError, usage_errors
 SIM_ERROR_NOTE = 0.15  # a simulator this far off its real engine gets the note on refitting its cost model
 
 
-def main(scenario: str, out: str | None = None, overrides: list[str] = (), repeat: int = 1) -> None:
+def main(scenario: str, out: str | None = None, overrides: list[str] = (), repeat: int = 1,
+         sensitivity: bool = True) -> None:
     """Load the scenario (with ``--set`` overrides), run it into ``out`` (default
     ``reports/runs/<name>-<time>``) with a progress bar per engine, then print the summary table, the load
-    and capacity lines, each simulator's error against its real engine, and the report's path.
+    and capacity lines, each simulator's error against its real engine (with ``sensitivity``: and how far
+    its figures move with 5% slower steps), and the report's path.
 
     Raises:
         UsageError: a bad scenario, override, trace or engine setting, or ``repeat`` < 1.
@@ -46,7 +48,8 @@ def main(scenario: str, out: str | None = None, overrides: list[str] = (), repea
             return on_output
 
         with usage_errors(ValueError):
-            results = run_scenario(sc, out_dir, progress, repeat=repeat, echo=lambda m: prog.console.print(m))
+            results = run_scenario(sc, out_dir, progress, repeat=repeat, echo=lambda m: prog.console.print(m),
+                                   sensitivity=sensitivity)
     print_summary(sc.name, results)
     print(f"report: {out_dir / 'report.html'}")
     print(out_dir)
