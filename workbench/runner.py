@@ -444,7 +444,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         for rep in range(repeat if noisy else 1):
             run_one(spec, spec.name + (f" #{rep + 1}" if repeat > 1 and noisy else ""), cm,
                     scenario.model_copy(update={"seed": scenario.seed + rep}))
-        if sensitivity and cm is not None and twin_of(spec.name, getattr(spec, "policy", None) or "paged", kinds):
+        if sensitivity and cm is not None and twin:  # cm is set only where twin was looked up
             slow = slowed_cost_model(cm, SENSITIVITY_STEP)
             slowed[spec.name] = []
             for rep in range(repeat if noisy else 1):

@@ -270,6 +270,30 @@ inline float exp2_neg(float x) {
   return p * scale;
 }
 
+// The score micro-kernels' epilogue: s[j * RB + r] = acc[j][r] (-inf with MASKED where key j, at position
+// kpos0 + j or past the block's keys when j >= nvalid, is after row r's position qpos[r]); tmax[r] becomes
+// the max of itself and the scores stored.
+template <int RVk, bool MASKED>
+inline void qk_store(const vfloat (&acc)[QK_NR][RVk], float* __restrict s, int64_t kpos0, int64_t nvalid,
+                     const int32_t* __restrict qpos, float* __restrict tmax) {
+  vfloat mx[RVk];
+#pragma GCC unroll 4
+  for (int v = 0; v < RVk; ++v) mx[v] = vload(tmax + v * VW);
+#pragma GCC unroll 8
+  for (int j = 0; j < QK_NR; ++j) {
+    const int32_t kp = j < nvalid ? static_cast<int32_t>(kpos0 + j) : INT32_MAX;
+#pragma GCC unroll 4
+    for (int v = 0; v < RVk; ++v) {
+      vfloat a = acc[j][v];
+      if (MASKED) a = (kp > vload_int(qpos + v * VW)) ? vsplat(-INFINITY) : a;
+      vstore(s + j * RB + v * VW, a);
+      mx[v] = vmax(mx[v], a);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < RVk; ++v) vstore(tmax + v * VW, mx[v]);
+}
+
 // Scores of QK_NR keys j against the RVk * VW rows r of a row block:
 //   s[j * RB + r] = sum_d krow[j][d] * qt[d * RB + r]
 // (log2-domain scores: q carries scale * log2(e)). With MASKED, key j (position kpos0 + j, or past the
@@ -300,22 +324,7 @@ inline void qk_micro(const float* const* krow, const float* __restrict qt, int64
       for (int v = 0; v < RVk; ++v) acc[j][v] += b * qv[v];
     }
   }
-  vfloat mx[RVk];
-#pragma GCC unroll 4
-  for (int v = 0; v < RVk; ++v) mx[v] = vload(tmax + v * VW);
-#pragma GCC unroll 8
-  for (int j = 0; j < QK_NR; ++j) {
-    const int32_t kp = j < nvalid ? static_cast<int32_t>(kpos0 + j) : INT32_MAX;
-#pragma GCC unroll 4
-    for (int v = 0; v < RVk; ++v) {
-      vfloat a = acc[j][v];
-      if (MASKED) a = (kp > vload_int(qpos + v * VW)) ? vsplat(-INFINITY) : a;
-      vstore(s + j * RB + v * VW, a);
-      mx[v] = vmax(mx[v], a);
-    }
-  }
-#pragma GCC unroll 4
-  for (int v = 0; v < RVk; ++v) vstore(tmax + v * VW, mx[v]);
+  qk_store<RVk, MASKED>(acc, s, kpos0, nvalid, qpos, tmax);
 }
 
 #ifdef WB_DPBF16
@@ -352,22 +361,13 @@ inline void qk_micro_bf16(const bf16_t* const* krow, const uint32_t* __restrict 
     }
   }
   const vfloat ks = vsplat(kscale);
-  vfloat mx[RVk];
-#pragma GCC unroll 4
-  for (int v = 0; v < RVk; ++v) mx[v] = vload(tmax + v * VW);
+  vfloat scores[QK_NR][RVk];
 #pragma GCC unroll 8
   for (int j = 0; j < QK_NR; ++j) {
-    const int32_t kp = j < nvalid ? static_cast<int32_t>(kpos0 + j) : INT32_MAX;
 #pragma GCC unroll 4
-    for (int v = 0; v < RVk; ++v) {
-      vfloat a = (vfloat)acc[j][v] * ks;
-      if (MASKED) a = (kp > vload_int(qpos + v * VW)) ? vsplat(-INFINITY) : a;
-      vstore(s + j * RB + v * VW, a);
-      mx[v] = vmax(mx[v], a);
-    }
+    for (int v = 0; v < RVk; ++v) scores[j][v] = (vfloat)acc[j][v] * ks;
   }
-#pragma GCC unroll 4
-  for (int v = 0; v < RVk; ++v) vstore(tmax + v * VW, mx[v]);
+  qk_store<RVk, MASKED>(scores, s, kpos0, nvalid, qpos, tmax);
 }
 #endif
 
