@@ -59,6 +59,8 @@ SIM_ONLY = ("policy", "cost_model", "model_config", "swap_bandwidth_bytes_per_s"
 CATALOGUE = ("hardware", "tp", "kv_cache_dtype", "efficiency", "speculative_model",
              "num_speculative_tokens", "spec_acceptance_rate")  # what an analytic cost model is built from
 # (and weight_dtype, which every kind takes: see EngineConfig)
+SPEC_REAL = ("speculative_model", "num_speculative_tokens")  # the real paged engine speculates too
+PROMPT_LOOKUP = ("prompt_lookup_min", "prompt_lookup_max")  # the real engine's ngram proposer only
 MEMORY = ("gpu_memory_utilization", "activation_reserve_bytes")  # the analytic model's memory plan
 
 
@@ -103,6 +105,10 @@ class EngineConfig:
             Analytic sim: ``bf16`` (None), ``fp8``, ``awq``, ``gptq`` or ``int4``.
         hardware, tp, kv_cache_dtype, efficiency, speculative_model,
             num_speculative_tokens, spec_acceptance_rate: sim only: the analytic model's deployment.
+        speculative_model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max: on the real paged
+            engine, its own speculative decoding: ``ngram`` (prompt lookup over the request's context) or
+            ``layers:N`` (the target's first N layers as the draft), k drafts per step
+            (``engines.core.spec_decode``).
         gpu_memory_utilization, activation_reserve_bytes: analytic sim only: the memory plan that sizes
             the KV pool when neither ``kv_cache_tokens`` nor ``kv_cache_bytes`` is given.
     """
@@ -142,6 +148,8 @@ class EngineConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     spec_acceptance_rate: float | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float | None = None
 
@@ -177,9 +185,12 @@ class EngineConfig:
             if self.policy_name not in POLICIES:
                 bad.append(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
             bad += self._cost_model_problems(set_)
+            bad += [f"{n} is for the real paged engine's ngram proposer (kind paged)" for n in PROMPT_LOOKUP
+                    if n in set_]
         else:
             bad += [f"{n} is only for kind sim (kind is {self.kind})" for n in SIM_ONLY + CATALOGUE + MEMORY
-                    if n in set_]
+                    if n in set_ and n not in SPEC_REAL]
+            bad += self._spec_problems(set_)
             if self.model is None:
                 bad.append(f"a {self.kind} engine runs a model: set model (a known name or a folder)")
         bad += self._weight_dtype_problems()
@@ -196,6 +207,34 @@ class EngineConfig:
         if sched:
             bad.append(sched)
         return bad
+
+    def _spec_problems(self, set_: set[str]) -> list[str]:
+        """A real engine's speculative decoding (``engines.core.spec_decode.SpecDecodeConfig.parse``)."""
+        if not set_ & set(SPEC_REAL + PROMPT_LOOKUP):
+            return []
+        if self.kind != "paged":
+            return [f"speculative decoding runs on the paged engine, not {self.kind}"]
+        if self.speculative_model is None:
+            return ["num_speculative_tokens / prompt_lookup_min / prompt_lookup_max need speculative_model "
+                    "(ngram or layers:N)"]
+        try:
+            self.spec_config()
+        except ValueError as e:
+            return [str(e)]
+        return []
+
+    def spec_config(self):
+        """A real paged engine's ``SpecDecodeConfig`` (None: no speculative decoding).
+
+        Raises:
+            ValueError: a bad ``speculative_model`` or k (one line).
+        """
+        from engines.core.spec_decode import SpecDecodeConfig
+
+        if self.kind == "sim" or self.speculative_model is None:
+            return None
+        return SpecDecodeConfig.parse(self.speculative_model, self.num_speculative_tokens, self.prompt_lookup_min,
+                                      self.prompt_lookup_max)
 
     def _weight_dtype_problems(self) -> list[str]:
         """``weight_dtype`` against what this kind runs (see the field's description), one line each."""
@@ -280,10 +319,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 
 def build_scheduler(policy: str, sched_cfg: SchedulerConfig, num_blocks: int, block_size: int,
-                    num_cpu_blocks: int = 0) -> Scheduler:
+                    num_cpu_blocks: int = 0, spec=None) -> Scheduler:
     """The policy ``paged``, ``static`` or ``orca`` over its KV manager (``num_blocks`` of
     ``block_size`` tokens). ``num_cpu_blocks``: the paged policy's CPU swap pool; prefix caching follows
-    ``sched_cfg.enable_prefix_caching``.
+    ``sched_cfg.enable_prefix_caching``; ``spec``: the paged policy's speculative decoding
+    (``SpecDecodeConfig``, None: off).
 
     Raises:
         ValueError: unknown policy, or a bad knob.
@@ -291,7 +331,7 @@ def build_scheduler(policy: str, sched_cfg: SchedulerConfig, num_blocks: int, bl
     if policy == "paged":
         kv = PagedKVCacheManager(num_blocks, block_size, enable_caching=sched_cfg.enable_prefix_caching,
                                  num_cpu_blocks=num_cpu_blocks)
-        return PagedScheduler(sched_cfg, kv)
+        return PagedScheduler(sched_cfg, kv, spec)
     if policy == "static":
         return StaticScheduler(sched_cfg, ContiguousKVCacheManager(num_blocks, block_size))
     if policy == "orca":
@@ -370,9 +410,10 @@ def _build_real(config: EngineConfig) -> LLMEngine:
     num_cpu_blocks = cache.num_cpu_blocks(per_token) if config.kind == "paged" else 0
     model = LlamaModel.from_dir(model_dir, getattr(torch, config.dtype), config.attention_backend, config.device,
                                 weight_dtype=config.real_weight_dtype, linear_backend=config.linear_backend)
+    spec = config.spec_config()
     executor = ModelExecutor(model, num_blocks, config.block_size, seed=config.seed, step_delay_s=config.step_delay_s,
-                             num_cpu_blocks=num_cpu_blocks)
-    return LLMEngine(build_scheduler(config.kind, sched_cfg, num_blocks, config.block_size, num_cpu_blocks),
+                             num_cpu_blocks=num_cpu_blocks, draft_layers=spec.draft_layers if spec else 0)
+    return LLMEngine(build_scheduler(config.kind, sched_cfg, num_blocks, config.block_size, num_cpu_blocks, spec),
                      executor, tokenizer)
 
 

@@ -192,6 +192,19 @@ class PagedKVCacheManager:
             self._cache_full_blocks(request, total)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the blocks of the request's table past the first ``cdiv(num_tokens, block_size)`` (slots of
+        rejected draft tokens: never hashed, since only tokens in ``all_token_ids`` are). Returns the blocks
+        freed."""
+        table = self.block_tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free(list(reversed(tail)))
+        return len(tail)
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's blocks (shared by ref count; a shared partly filled block is copied
         when one of them writes into it, see :meth:`allocate_slots`)."""

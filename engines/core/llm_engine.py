@@ -180,13 +180,18 @@ class LLMEngine:
             req = self.scheduler.requests.get(seq.request_id)
             if req is not None and req.first_scheduled_time is None:
                 req.first_scheduled_time = start
+        # speculative rows may emit several tokens: count them from the outputs before the update
+        reqs = self.scheduler.requests
+        before = {s.request_id: reqs[s.request_id].num_output_tokens for s in out.seqs
+                  if s.num_spec and s.request_id in reqs}
         finished = self.scheduler.update(out, result)
         just_finished = {r.request_id: r for r in finished}
         for rid in result.sampled:
             req = self.scheduler.requests.get(rid) or just_finished.get(rid)
             if req is None:
                 continue
-            req.token_times.append(now)
+            new = req.num_output_tokens - before[rid] if rid in before else 1
+            req.token_times.extend([now] * new)
             if req.first_token_time is None:
                 req.first_token_time = now
             det = self._detok.get(rid)
@@ -194,18 +199,30 @@ class LLMEngine:
                 det = self._detok[rid] = IncrementalDetokenizer.for_request(self.tokenizer, req)  # a forked child
             if det is None or req.status == RequestStatus.FINISHED_STOPPED:
                 continue
-            _, stop = det.step(req.output_token_ids[-1])
-            if stop is None:
-                continue
-            if req.is_finished:  # the last allowed token completed a stop string
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            else:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
-                finished.append(req)
+            self._stop_strings(req, det, new, finished)
         outputs = self._complete(finished)
         rec = self.steps[-1]
         rec.overhead = max(0.0, (self.clock() - t_schedule) - (now - start))
         return outputs
+
+    def _stop_strings(self, req: Request, det: IncrementalDetokenizer, new: int, finished: list[Request]) -> None:
+        """Feed ``req``'s ``new`` last output tokens to its detokenizer; at the first that completes a stop
+        string, drop the tokens after it (a speculative step may have emitted some) and stop the request."""
+        first = req.num_output_tokens - new
+        for i in range(first, req.num_output_tokens):
+            _, stop = det.step(req.output_token_ids[i])
+            if stop is None:
+                continue
+            dropped = req.num_output_tokens - (i + 1)
+            if dropped:
+                req.truncate_output(i + 1)
+                del req.token_times[-dropped:]
+            if req.is_finished:  # the last allowed token completed a stop string
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+                finished.append(req)
+            return
 
     def _complete(self, finished: list[Request]) -> list[RequestOutput]:
         """Outputs of the requests answered in this step, given those that finished in it. A static

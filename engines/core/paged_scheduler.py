@@ -6,7 +6,8 @@ at most ``max_num_seqs`` requests. A prompt larger than what is left of the budg
 (chunked prefill). When a block cannot be allocated, the most recently admitted running request is
 preempted: by recompute (its blocks are freed and it goes back to the head of ``waiting``) or by swap (its
 blocks are copied to a CPU swap pool and it waits in ``swapped``). With prefix caching a waiting request
-starts after its longest cached prefix. Beam search (``engines/core/beam_search.py``) runs a request's
+starts after its longest cached prefix. With speculative decoding (``engines/core/spec_decode.py``) a running
+request in decode also gets draft tokens to verify; rejected drafts' blocks are freed after the step. Beam search (``engines/core/beam_search.py``) runs a request's
 beams as forked sequences; ``BeamSearch`` hooks into ``validate``, ``update``, preemption and
 ``finish_request``.
 """
@@ -20,6 +21,9 @@ from engines.core.config import SchedulerConfig
 from engines.core.kv_cache_manager import KVStats, PagedKVCacheManager
 from engines.core.request import Request, RequestStatus
 from engines.core.scheduler import ScheduledSeq, Scheduler, SchedulerOutput, StepResult, child_params
+from engines.core.spec_decode import NgramProposer, SpecDecodeConfig, speculates
+
+DRAFT_PLACEHOLDER = 0  # token id in a draft slot the executor's draft model fills before the forward pass
 
 
 class PagedScheduler(Scheduler):
@@ -35,6 +39,7 @@ class PagedScheduler(Scheduler):
             ``preemption_mode``.
         kv: the paged KV cache manager (``engines.factory.build_scheduler`` gives it ``enable_caching`` from
             the config).
+        spec: speculative decoding (None: off).
 
     Raises:
         ValueError: a bad memory knob (see ``SchedulerConfig.validate``).
@@ -42,9 +47,12 @@ class PagedScheduler(Scheduler):
 
     supports_beam_search = True
 
-    def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: PagedKVCacheManager, spec: SpecDecodeConfig | None = None) -> None:
         super().__init__(config)
         self.kv = kv
+        self.spec = spec
+        self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                         if spec is not None and spec.proposes_in_scheduler else None)
         self.swapped: deque[Request] = deque()
         self.beam_search = BeamSearch()
 
@@ -98,6 +106,12 @@ class PagedScheduler(Scheduler):
             req = self.running[idx]
             n = self._num_new_tokens(req, budget)
             if n == 0:
+                idx += 1
+                continue
+            drafts = self._drafts(req, n, budget)
+            if drafts and self.kv.allocate_slots(req, n + len(drafts)):
+                seqs.append(self._seq(req, n, drafts))
+                budget -= n + len(drafts)
                 idx += 1
                 continue
             if not self._allocate_or_preempt(req, n, out):
@@ -154,6 +168,24 @@ class PagedScheduler(Scheduler):
         out.num_running, out.num_waiting, out.num_swapped = len(self.running), len(self.waiting), len(self.swapped)
         return out
 
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Draft tokens for ``req`` this step (``[]``: none): only a request in decode (its one uncomputed
+        token is its last output) that :func:`speculates`; at most ``num_speculative_tokens``, what is left of
+        the token budget after its own token, and ``max_tokens`` - outputs - 1 (so accepting them all plus
+        the bonus token reaches ``max_tokens`` at most). A draft model's drafts are placeholders its executor
+        fills."""
+        if self.spec is None or n != 1 or req.num_tokens_total - req.num_computed_tokens != 1:
+            return []
+        if not req.output_token_ids or not speculates(req):
+            return []
+        k = min(self.spec.num_speculative_tokens, budget - 1,
+                req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        if k < 1:
+            return []
+        if self.proposer is None:
+            return [DRAFT_PLACEHOLDER] * k
+        return self.proposer.propose(req.all_token_ids, k)
+
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for ``n`` tokens of ``req``, preempting the newest running requests as needed.
 
@@ -190,16 +222,18 @@ class PagedScheduler(Scheduler):
         self.beam_search.on_finish(self, request_id)
         return super().finish_request(request_id, status, stop_reason)
 
-    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+    def _seq(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
         start = req.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=req.all_token_ids[start : start + n] + (drafts or []),
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
             sample=start + n == req.num_tokens_total,
             sampling_params=req.sampling_params,
             request=req,
+            num_spec=len(drafts or ()),
+            drafts_pending=bool(drafts) and self.proposer is None,
         )
         if seq.sample and not req.output_token_ids and req.fork_ids:
             seq.fork_ids = req.fork_ids
@@ -242,6 +276,11 @@ class PagedScheduler(Scheduler):
         finished = super().update(output, result)
         for child in children:
             self._finish_if_done(child, child.output_token_ids[-1], finished)
+        for seq in output.seqs:  # speculative rows: free the blocks that held only rejected drafts
+            if seq.num_spec:
+                req = self.requests.get(seq.request_id)
+                if req is not None and not req.is_finished:
+                    self.kv.trim(req, req.num_tokens_total)
         finished.extend(self.beam_search.update(self, output, result))  # beams: pick the survivors, fork and free
         return finished
 

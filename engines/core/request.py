@@ -101,6 +101,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self._all.append(token_id)
 
+    def truncate_output(self, n: int) -> None:
+        """Keep the first ``n`` output tokens: a stop string ended the request inside a speculative step's
+        tokens, and the request is finishing (its block hashes past the kept tokens are left as they are)."""
+        del self.output_token_ids[n:]
+        del self._all[self.num_prompt_tokens + n:]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -24,6 +24,7 @@ from engines.core.kv_cache_manager import KVStats
 from engines.core.logprobs import TokenLogprob
 from engines.core.request import Request, RequestStatus
 from engines.core.sampling_params import SamplingParams
+from engines.core.spec_decode import SpecDecodeStats
 from engines.core.step_shape import StepShape
 
 
@@ -50,6 +51,11 @@ class ScheduledSeq:
     sample: bool
     sampling_params: SamplingParams
     is_padding: bool = False
+    # speculative decoding: the last ``num_spec`` of ``token_ids`` are draft tokens to verify (the target's
+    # logits are taken at every one of them and at the token before them); ``drafts_pending``: the
+    # executor's draft model fills them in before the forward pass (the scheduler reserved their slots)
+    num_spec: int = 0
+    drafts_pending: bool = False
     # parallel sampling: child sequences to sample from this row's logits too (and their params)
     fork_ids: list[str] = field(default_factory=list)
     fork_params: list[SamplingParams] = field(default_factory=list)
@@ -60,6 +66,11 @@ class ScheduledSeq:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        """The draft tokens this step verifies (empty without speculation)."""
+        return self.token_ids[len(self.token_ids) - self.num_spec:] if self.num_spec else []
 
     @property
     def is_decode(self) -> bool:
@@ -121,6 +132,11 @@ class StepResult:
     # beam search: for a beam-search row, its 2 x beam_width most likely next tokens as
     # [(token id, log p)], most likely first, instead of an entry in ``sampled``
     beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # speculative decoding: per request with drafts, the drafts kept (a prefix of them); its emitted tokens
+    # are these followed by ``sampled[id]`` (the target's token at the first rejection, or the bonus token)
+    spec_accepted: dict[str, list[int]] = field(default_factory=dict)
+    # seconds of the step the executor spent in collective communication (tensor parallelism; 0 otherwise)
+    comm_time: float = 0.0
 
 
 def record_prompt_logprobs(req: Request, computed: dict[int, TokenLogprob] | None) -> None:
@@ -166,6 +182,7 @@ class Scheduler:
         self._num_forks: dict[str, int] = {}  # parent id -> its forked sequences still in ``requests``
         self.num_preemptions = 0
         self.num_preemptions_swap = 0  # the rest of num_preemptions are by recompute
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's acceptance (empty without it)
 
     # -- interface ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> bool:
@@ -194,7 +211,9 @@ class Scheduler:
         """Advance ``num_computed_tokens``, append sampled tokens, finish requests that stop.
 
         A request stops on an EOS token (unless ``ignore_eos``) or when it has ``max_tokens``
-        outputs. Returns the requests that finished in this step.
+        outputs. A speculative row advances over its last token and its accepted drafts only, then appends
+        the accepted drafts and the sampled token one by one, stopping at the first that ends the request
+        (the rest are dropped). Returns the requests that finished in this step.
         """
         finished = []
         for seq in output.seqs:
@@ -203,29 +222,40 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.is_finished:
                 continue
-            req.num_computed_tokens += seq.num_tokens
+            accepted = result.spec_accepted.get(seq.request_id, []) if seq.num_spec else []
+            if seq.num_spec:
+                self.spec_stats.record(seq.num_spec, len(accepted))
+            req.num_computed_tokens += seq.num_tokens - seq.num_spec + len(accepted)
             record_prompt_logprobs(req, result.prompt_logprobs.get(seq.request_id))
             if not seq.sample or seq.request_id in result.beam_candidates:  # beams: see BeamSearch.update
                 continue
-            tok = result.sampled[seq.request_id]
-            req.append_output(tok)
-            lp = result.token_logprobs.get(seq.request_id)
-            if lp is not None:
-                req.output_logprobs.append(lp)
-            self._finish_if_done(req, tok, finished)
+            for tok in accepted:
+                req.append_output(tok)
+                if self._finish_if_done(req, tok, finished):
+                    break
+            else:
+                tok = result.sampled[seq.request_id]
+                req.append_output(tok)
+                lp = result.token_logprobs.get(seq.request_id)
+                if lp is not None:
+                    req.output_logprobs.append(lp)
+                self._finish_if_done(req, tok, finished)
         return finished
 
-    def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> None:
+    def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> bool:
         """Finish ``req`` (appending it to ``finished``) if its new token ``tok`` is EOS (unless
         ``ignore_eos``) or one of ``stop_token_ids``, or it has reached ``max_tokens``. Before
-        ``min_tokens`` outputs neither can be sampled (the sampler masks them)."""
+        ``min_tokens`` outputs neither can be sampled (the sampler masks them). Returns whether it finished."""
         sp = req.sampling_params
         if (not sp.ignore_eos and tok in req.eos_token_ids) or tok in sp.stop_token_ids:
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
             finished.append(req)
-        elif req.num_output_tokens >= req.sampling_params.max_tokens:
+            return True
+        if req.num_output_tokens >= req.sampling_params.max_tokens:
             self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
             finished.append(req)
+            return True
+        return False
 
     def in_flight(self, request_id: str) -> bool:
         """Whether ``request_id`` names a request not yet finished, or the parent of a forked sequence

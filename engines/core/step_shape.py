@@ -29,7 +29,9 @@ class StepShape:
         prefill_ctx: sum over chunks of n * start: query x cached-key pairs (a later chunk of a chunked
             prefill, or a chunk after a prefix-cache hit, attends to its cached tokens too).
         sampled: rows that go through the LM head (a row sampled for several parallel-sampling children
-            counts once per child).
+            counts once per child; a speculative row counts its drafts too: the target's logits are taken at
+            each). A speculative row (its token and drafts after a cached context) is a prefill chunk here,
+            as the executor runs it.
     """
 
     tokens: int = 0
@@ -66,7 +68,7 @@ class StepShape:
                 pattn += n * (s.start_pos + n)
                 pctx += n * s.start_pos
             if s.sample and not s.is_padding:
-                sampled += 1 + len(s.fork_ids)
+                sampled += 1 + len(s.fork_ids) + s.num_spec
         return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled, pad_ctx, scattered)
 
     def as_dict(self) -> dict[str, float]:

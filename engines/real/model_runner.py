@@ -31,10 +31,17 @@ class ModelExecutor:
         num_blocks, block_size: KV pool geometry (must match the scheduler's KV manager).
         seed: seed of the shared sampling generator.
         step_delay_s: test-only knob: extra seconds of busy work added to every step.
+        num_cpu_blocks: the CPU swap pool (0: none).
+        draft_layers: speculative decoding with ``layers:N``: N, the target layers its draft runs (0: no draft
+            model; the n-gram proposer needs none). Raises ValueError when N exceeds the model's layers.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, step_delay_s: float = 0.0,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, draft_layers: int = 0):
+        if draft_layers > model.cfg.num_hidden_layers:
+            raise ValueError(f"speculative_model layers:{draft_layers}: the model has only "
+                             f"{model.cfg.num_hidden_layers} layers")
+        self.draft_layers = draft_layers
         self.model = model
         self.device = model.device
         self.kv = KVCache(model.cfg, num_blocks, block_size, model.dtype, self.device)
@@ -58,9 +65,14 @@ class ModelExecutor:
         if out.is_empty:
             return StepResult({}, time.perf_counter() - t0, swap_time)
         seqs = sorted(out.seqs, key=lambda s: not s.is_decode)  # decode rows first
+        if any(s.drafts_pending for s in seqs):
+            self._fill_drafts([s for s in seqs if s.drafts_pending])
         input_ids, positions, meta, last_idx = self._prepare(seqs)
         hidden = self.model.forward(input_ids, positions, meta, self.kv.layers)
-        sample_seqs = [s for s in seqs if s.sample and not s.is_padding]
+        spec_seqs = [s for s in seqs if s.num_spec and s.sample]
+        spec_accepted = self._verify(spec_seqs, hidden, last_idx) if spec_seqs else {}
+        sampled_spec = {rid: tok for rid, (_, tok) in spec_accepted.items()}
+        sample_seqs = [s for s in seqs if s.sample and not s.is_padding and not s.num_spec]
         sampled, logprobs, beam_cands, tok_lps = {}, {}, {}, {}
         if sample_seqs:
             # a row that forks parallel-sampling children is sampled once per child too (same logits)
@@ -98,8 +110,43 @@ class ModelExecutor:
             _busy_wait(self.step_delay_s)
         if self.device.type == "cuda":  # a step that samples nothing has not waited for the GPU yet
             torch.cuda.synchronize(self.device)
+        sampled.update(sampled_spec)
         return StepResult(sampled, time.perf_counter() - t0, swap_time, logprobs=logprobs, beam_candidates=beam_cands,
-                          token_logprobs=tok_lps, prompt_logprobs=prompt_lps)
+                          token_logprobs=tok_lps, prompt_logprobs=prompt_lps,
+                          spec_accepted={rid: acc for rid, (acc, _) in spec_accepted.items()})
+
+    def _verify(self, seqs: list[ScheduledSeq], hidden: torch.Tensor, last_idx: dict[str, int]
+                ) -> dict[str, tuple[list[int], int]]:
+        """Speculative rows: the target's logits at each row's last token and drafts, then
+        ``Sampler.verify``. Returns ``{request id: (drafts kept, next token)}``."""
+        rows = [r for s in seqs for r in range(last_idx[s.request_id] - s.num_spec, last_idx[s.request_id] + 1)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        out, at = {}, 0
+        for s in seqs:
+            n = s.num_spec + 1
+            out[s.request_id] = self.sampler.verify(logits[at:at + n], s.spec_token_ids, s.request_id,
+                                                    s.sampling_params)
+            at += n
+        return out
+
+    def _fill_drafts(self, seqs: list[ScheduledSeq]) -> None:
+        """The draft model of ``speculative_model: layers:N``: the target's first N layers, its final norm and
+        LM head, run greedily one position at a time over the target's own KV cache of those layers (the
+        committed context's K/V there are exactly what the draft computes). Draft ``j`` of a row is written
+        into its scheduled slot ``start_pos + j``; the verify pass rewrites those slots in every layer.
+        Fills each row's draft positions of ``token_ids`` in place."""
+        layers = self.kv.layers[: self.draft_layers]
+        for j in range(max(s.num_spec for s in seqs)):
+            rows = [s for s in seqs if s.num_spec > j]
+            steps = [ScheduledSeq(s.request_id, [s.token_ids[j]], s.start_pos + j, s.block_table, True,
+                                  s.sampling_params) for s in rows]
+            ids, pos, meta, last = self._prepare(steps)
+            hidden = self.model.forward(ids, pos, meta, layers)
+            toks = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            for s, tok in zip(rows, toks):
+                s.token_ids[j + 1] = int(tok)
+        for s in seqs:
+            s.drafts_pending = False
 
     LOGITS_CHUNK = 512  # prompt positions whose logits are computed at once ([chunk, vocab] float32)
 

@@ -121,8 +121,60 @@ class Sampler:
                 out[i] = self._sample_row(logits[i].cpu(), p, self._gen(rid, p))
         return out
 
+    def verify(self, logits: torch.Tensor, drafts: list[int], request_id: str, params: SamplingParams
+               ) -> tuple[list[int], int]:
+        """Speculative decoding's acceptance of one request's drafts (``engines.core.spec_decode``).
+
+        Greedy: the longest prefix of ``drafts`` equal to the argmax at each position, then the argmax at
+        the first mismatch (or after the last draft). Sampled: draft ``d`` at position ``i`` is kept with
+        probability ``p_i(d)`` (the speculative-sampling rule ``min(1, p/q)`` with the proposers' point-mass
+        ``q``); at the first rejection the token is drawn from ``p_i`` with ``d`` removed and renormalised
+        (``max(0, p - q)``); all kept: the bonus token is drawn from ``p_k``. ``p_i`` is the distribution
+        :meth:`sample` draws from (temperature, min-p, top-k, top-p), drawn with the request's generator.
+
+        Args:
+            logits: ``[k + 1, vocab]`` float32: the target's logits at the request's last token and at each of
+                its ``k`` drafts (row ``i`` predicts the token after draft ``i``; row 0 after the last token).
+            drafts: the k draft token ids.
+        Returns:
+            (the drafts kept, the token that follows them).
+        """
+        k = len(drafts)
+        if params.greedy:
+            t = logits.argmax(dim=-1).tolist()
+            a = 0
+            while a < k and drafts[a] == t[a]:
+                a += 1
+            return list(drafts[:a]), int(t[a])
+        gen = self._gen(request_id, params)
+        rows = logits.cpu()
+        for i, d in enumerate(drafts):
+            probs = self._probs(rows[i], params)
+            if probs is None:  # logits / T overflowed: the greedy limit
+                tok = int(rows[i].argmax())
+                if tok != d:
+                    return list(drafts[:i]), tok
+                continue
+            if float(torch.rand((), generator=gen)) < float(probs[d]):
+                continue
+            residual = probs.clone()
+            residual[d] = 0.0
+            if float(residual.sum()) <= 0.0:  # p(d) = 1 up to rounding: d is the only token left
+                continue
+            return list(drafts[:i]), int(torch.multinomial(residual, 1, generator=gen).item())
+        return list(drafts), self._sample_row(rows[k], params, gen)
+
     @staticmethod
     def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+        probs = Sampler._probs(logits, p)
+        if probs is None:  # a temperature so small that logits / T overflowed: the limit
+            return int(logits.argmax())
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor | None:
+        """The distribution a non-greedy row is drawn from (``[vocab]``), or None when ``logits / temperature``
+        overflowed."""
         x = logits / p.temperature
         if p.min_p > 0.0:  # tokens less likely than min_p x the most likely one (vLLM's min_p)
             probs = torch.softmax(x, dim=-1)
@@ -139,6 +191,6 @@ class Sampler:
             sorted_x = sorted_x.masked_fill(drop, float("-inf"))
             x = torch.full_like(x, float("-inf")).scatter(0, idx, sorted_x)
         probs = torch.softmax(x, dim=-1)
-        if not bool(torch.isfinite(probs).all()):  # a temperature so small that logits / T overflowed: the limit
-            return int(logits.argmax())
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        if not bool(torch.isfinite(probs).all()):
+            return None
+        return probs
