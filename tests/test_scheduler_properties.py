@@ -62,6 +62,31 @@ class FakeExecutor:
         return StepResult(sampled=sampled, duration=0.0)
 
 
+class FakeSpecExecutor(FakeExecutor):
+    """``FakeExecutor`` that also keeps a random prefix of every row's drafts (speculative decoding), and
+    records what the scheduler must append: the kept drafts and the sampled token, cut after EOS and at
+    ``max_tokens``."""
+
+    def __call__(self, out: SchedulerOutput) -> StepResult:
+        plain = [s for s in out.seqs if not s.num_spec]
+        result = super().__call__(SchedulerOutput(seqs=plain))
+        for seq in out.seqs:
+            if not seq.num_spec:
+                continue
+            j = self.rng.randint(0, seq.num_spec)
+            kept = [self.rng.randrange(3, 100) for _ in range(j)]
+            tok = EOS if self.rng.random() < self.p_eos else self.rng.randrange(3, 100)
+            result.spec_accepted[seq.request_id], result.sampled[seq.request_id] = kept, tok
+            req, sp = seq.request, seq.sampling_params
+            emitted = []
+            for t in kept + [tok]:
+                emitted.append(t)
+                if (t in req.eos_token_ids and not sp.ignore_eos) or len(req.output_token_ids) + len(emitted) >= sp.max_tokens:
+                    break
+            self.emitted.setdefault(seq.request_id, []).extend(emitted)
+        return result
+
+
 @dataclass
 class Spec:
     arrival: int
@@ -108,8 +133,12 @@ def check_paged_step(sched: PagedScheduler, out: SchedulerOutput) -> None:
         assert req.status == RequestStatus.RUNNING
         assert seq.num_tokens >= 1
         assert seq.start_pos == req.num_computed_tokens
-        assert seq.token_ids == req.all_token_ids[seq.start_pos : seq.start_pos + seq.num_tokens]
-        assert seq.sample == (seq.context_len == req.num_tokens_total)
+        own = seq.num_tokens - seq.num_spec  # speculative rows: the request's own token, then its drafts
+        assert seq.token_ids[:own] == req.all_token_ids[seq.start_pos : seq.start_pos + own]
+        assert seq.sample == (seq.context_len - seq.num_spec == req.num_tokens_total)
+        if seq.num_spec:
+            assert own == 1 and seq.sample
+            assert req.num_output_tokens + seq.num_spec + 1 <= req.sampling_params.max_tokens
         assert len(seq.block_table) * kv.block_size >= seq.context_len
         assert seq.block_table == tables[seq.request_id]
     st_ = out.kv_stats
@@ -152,9 +181,9 @@ def check_static_step(sched: StaticScheduler, out: SchedulerOutput) -> None:
     assert st_.allocated == st_.token_states + st_.reserved + st_.internal_frag + st_.external_frag
 
 
-def drive(sched, specs: list[Spec], seed: int, check, step_cap: int):
+def drive(sched, specs: list[Spec], seed: int, check, step_cap: int, fake=None):
     """Run the scenario to completion; returns (requests, accepted flags, fake executor, steps)."""
-    fake = FakeExecutor(seed)
+    fake = fake or FakeExecutor(seed)
     reqs = [make_request(i, s) for i, s in enumerate(specs)]
     accepted = [None] * len(reqs)
     last_arrival = max((s.arrival for s in specs), default=0)
@@ -270,6 +299,37 @@ def test_paged_scheduler_invariants(specs, block_size, pool_tokens, budget, max_
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     assert not any(kv.block_tables.values())
+
+
+@given(
+    specs=spec_lists(),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    pool_tokens=st.sampled_from([64, 128, 256, 600]),
+    budget=st.sampled_from([8, 13, 64, 256]),
+    max_num_seqs=st.integers(1, 8),
+    method=st.sampled_from(["ngram", "layers:1"]),
+    k=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+@PROPS
+def test_paged_scheduler_invariants_with_speculative_steps(specs, block_size, pool_tokens, budget, max_num_seqs,
+                                                           method, k, seed):
+    """Speculative steps (drafts verified, a random prefix kept, the rest rolled back) keep every invariant:
+    no block leaks or double ownership, outputs exactly what was emitted (cut at EOS / max_tokens)."""
+    from engines.core.spec_decode import SpecDecodeConfig
+
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256)
+    kv = PagedKVCacheManager(max(1, pool_tokens // block_size), block_size)
+    sched = PagedScheduler(cfg, kv, SpecDecodeConfig.parse(method, k))
+    cap = 50 + sum(s.prompt_len + s.max_tokens for s in specs) * 4
+    reqs, accepted, fake, _ = drive(sched, specs, seed, check_paged_step, cap, FakeSpecExecutor(seed))
+    check_end(sched, reqs, accepted, specs, fake)
+    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    st_ = sched.spec_stats
+    assert st_.num_accepted_tokens <= st_.num_draft_tokens
+    if st_.num_drafts:
+        event("speculative step")
 
 
 @given(

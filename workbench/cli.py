@@ -84,13 +84,18 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help='print {"outputs": [{"prompt", "token_ids", "text"}]}'),
     beam_width: int = typer.Option(1, help="beam search when > 1 (deterministic; prints every hypothesis)"),
     length_penalty: float = typer.Option(1.0, help="beam search: score = logprob / length ** length_penalty"),
+    speculative_model: Optional[str] = typer.Option(None, "--speculative-model",
+                                                    help="speculative decoding (paged): ngram | layers:N"),
+    num_speculative_tokens: Optional[int] = typer.Option(None, "--num-speculative-tokens",
+                                                         help="draft tokens per request per step (k)"),
 ) -> None:
     """Generate completions for all prompts as one batch."""
     from workbench.commands.generate import main
 
     raise typer.Exit(main(list(prompt), model, chat, engine, max_tokens, temperature, top_p, top_k, seed, list(stop),
                           ignore_eos, dtype, kv_cache_tokens, max_model_len, device, as_json, beam_width,
-                          length_penalty, weight_dtype))
+                          length_penalty, weight_dtype, speculative_model=speculative_model,
+                          num_speculative_tokens=num_speculative_tokens))
 
 
 @trace_app.command("inspect")
@@ -287,12 +292,17 @@ def serve(
     max_waiting: int = typer.Option(1024, help="queued requests before new ones get 503 (0 = no limit)"),
     seed: int = typer.Option(0, help="seed of the shared sampling generator"),
     device: str = typer.Option("auto", help="auto (CUDA when present, else CPU) | cpu | cuda | cuda:N"),
+    speculative_model: Optional[str] = typer.Option(None, "--speculative-model",
+                                                    help="speculative decoding (paged): ngram | layers:N"),
+    num_speculative_tokens: Optional[int] = typer.Option(None, "--num-speculative-tokens",
+                                                         help="draft tokens per request per step (k)"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, SSE streaming, /metrics)."""
     from workbench.commands.serve import main
 
     main(model, host, port, api_key, served_model_name, engine, dtype, block_size, kv_cache_tokens, max_num_seqs,
-         max_num_batched_tokens, max_model_len, max_waiting, seed, device, weight_dtype)
+         max_num_batched_tokens, max_model_len, max_waiting, seed, device, weight_dtype,
+         speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens)
 
 
 def main() -> None:  # pragma: no cover

@@ -30,6 +30,8 @@ FORMULAS = {
     # memory management (memory_summary)
     "prefix_cache_hit_rate": "prefix_cache_hits / prefix_cache_queries: prompt tokens found in the prefix cache over tokens looked up at first admission (vllm:prefix_cache_hits / vllm:prefix_cache_queries); re-admissions after a recompute preemption are not counted",
     "prefix_cache_ideal_hit_rate": "the trace's hit rate under an unlimited prefix cache: requests in arrival order, each hits its longest run of leading full blocks some earlier prompt had, at most prompt length - 1 tokens (workbench.traces.prefix.ideal_prefix_hit_rate)",
+    "spec_decode": "speculative decoding (vllm:spec_decode_* counters): num_drafts = request-steps that verified drafts, num_draft_tokens = drafts verified, num_accepted_tokens = drafts kept; acceptance_rate = num_accepted_tokens / num_draft_tokens; mean_acceptance_length = 1 + num_accepted_tokens / num_drafts (tokens emitted per verify, the bonus token included); present only when some step drafted",
+    "comm_time_s": "tensor parallelism: seconds of the steps spent in collective communication on rank 0 (all-reduces and the logits gather); comm_time_frac = comm_time_s / sum of step durations; present only when nonzero",
     "num_preemptions_recompute": "preemptions that freed the victim's blocks (recomputed later)",
     "num_preemptions_swap": "preemptions that copied the victim's blocks to the CPU swap pool",
     "swap_bytes": "KV bytes copied between the device pool and the CPU swap pool, both directions",
@@ -173,7 +175,26 @@ def summarize(outputs, steps, num_trace_requests: int, slo: dict | None = None) 
     summary.update(kv_summary(steps))
     summary["saturation"] = saturation(outputs, steps, duration)
     summary.update(memory_summary(steps))
+    summary.update(spec_summary(steps))
     return summary
+
+
+def spec_summary(steps) -> dict:
+    """Speculative decoding's and tensor parallelism's figures of a run (see ``FORMULAS``): present only when
+    some step drafted tokens (``spec_decode``) or communicated (``comm_time_s``)."""
+    out: dict = {}
+    drafts = sum(getattr(s, "spec_drafts", 0) for s in steps)
+    if drafts:
+        d = sum(s.spec_draft_tokens for s in steps)
+        a = sum(s.spec_accepted_tokens for s in steps)
+        out["spec_decode"] = {"num_drafts": int(drafts), "num_draft_tokens": int(d), "num_accepted_tokens": int(a),
+                              "acceptance_rate": a / d if d else 0.0, "mean_acceptance_length": 1.0 + a / drafts}
+    comm = sum(getattr(s, "comm_time", 0.0) for s in steps)
+    if comm:
+        busy = sum(s.duration for s in steps)
+        out["comm_time_s"] = float(comm)
+        out["comm_time_frac"] = float(comm / busy) if busy else 0.0
+    return out
 
 
 def memory_summary(steps) -> dict:

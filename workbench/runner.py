@@ -95,6 +95,9 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
     if isinstance(spec, OpenAIEngineSpec):
         raise ValueError(f"engine {spec.name}: kind openai is an endpoint; there is no engine to build")
     knobs = {**_knobs(spec), "seed": scenario.seed}
+    if spec.kind == "paged":  # speculative decoding: the paged engine's own
+        knobs.update({n: getattr(spec, n) for n in ("speculative_model", "num_speculative_tokens",
+                                                    "prompt_lookup_min", "prompt_lookup_max")})
     if spec.kind in ("paged", "static"):
         return EngineConfig(kind=spec.kind, model=model_dir, device=spec.device,
                             attention_backend=spec.attention_backend, linear_backend=spec.linear_backend, step_delay_s=spec.test_step_delay_s or 0.0,

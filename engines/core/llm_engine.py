@@ -115,6 +115,12 @@ class StepRecord:
     padding_ctx: int = 0
     scattered_ctx: float = 0.0
     overhead: float = 0.0
+    # speculative decoding: requests that got drafts, draft tokens verified and drafts accepted in this step;
+    # tensor parallelism: seconds of the step in collective communication (all-reduces, logits gather)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    comm_time: float = 0.0
 
     @property
     def shape(self) -> StepShape:
@@ -174,6 +180,7 @@ class LLMEngine:
         now = self.clock()
         self._last_swap_time = result.swap_time
         self._record(out, start, now - start)
+        self._record_spec(out, result)
         for seq in out.seqs:
             if seq.is_padding:
                 continue
@@ -327,6 +334,16 @@ class LLMEngine:
             )
         )
         self.num_steps += 1
+
+    def _record_spec(self, out: SchedulerOutput, result) -> None:
+        """The last step record's speculative-decoding counts and communication time."""
+        rec = self.steps[-1]
+        rec.comm_time = result.comm_time or getattr(self.executor, "last_comm_time", 0.0)
+        for s in out.seqs:
+            if s.num_spec:
+                rec.spec_drafts += 1
+                rec.spec_draft_tokens += s.num_spec
+                rec.spec_accepted_tokens += len(result.spec_accepted.get(s.request_id, ()))
 
     def _memory_fields(self, out: SchedulerOutput) -> dict:
         """Memory-management step fields: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing."""

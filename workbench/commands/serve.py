@@ -10,13 +10,15 @@ def main(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000,
          served_model_name: str | None = None, engine: str = "paged", dtype: str = "float32", block_size: int = 16,
          kv_cache_tokens: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
          max_model_len: int | None = None, max_waiting: int = 1024, seed: int = 0, device: str = "auto",
-         weight_dtype: str | None = None) -> None:
+         weight_dtype: str | None = None, speculative_model: str | None = None,
+         num_speculative_tokens: int | None = None) -> None:
     """Serve until interrupted (``max_waiting`` 0: no limit on queued requests; ``weight_dtype`` None: the
     dense weights of ``dtype``, else ``fp32``/``bf16``/``int8``/``int4``).
 
     Raises:
         UsageError: a bad option or engine setting, an unknown model, or an address that cannot be bound.
     """
+    from workbench.commands.generate import spec_knobs
     from workbench.serve.app import serve as run_server
 
     set_torch_threads()
@@ -28,4 +30,5 @@ def main(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000,
                    max_waiting=max_waiting or None, engine=engine, dtype=dtype, block_size=block_size,
                    kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
-                   device=device, weight_dtype=weight_dtype)
+                   device=device, weight_dtype=weight_dtype,
+                   **spec_knobs(speculative_model, num_speculative_tokens))

@@ -223,9 +223,38 @@ class RealEngineSpec(BuiltEngineSpec):
 # The policy-knob mixins come first among the bases so that the fields read name, kind, the shared knobs,
 # then the policy's (pydantic orders fields from the last base of the MRO to the first).
 class PagedEngineSpec(PagedPolicyKnobs, RealEngineSpec):
-    """``kind: paged``: the real model with continuous batching over paged KV (see the base classes' fields)."""
+    """``kind: paged``: the real model with continuous batching over paged KV (see the base classes' fields).
+
+    Attributes:
+        speculative_model: speculative decoding (``engines.core.spec_decode``): ``ngram`` (prompt lookup over
+            each request's own context) or ``layers:N`` (the target's first N layers as the draft); None: off.
+        num_speculative_tokens: k, drafts per request per step (needs ``speculative_model``).
+        prompt_lookup_min, prompt_lookup_max: ``ngram``: shortest and longest suffix n-gram matched (1 and 4
+            when unset).
+    """
 
     kind: Literal["paged"]
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = Field(None, ge=1)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _spec_decode(self) -> "PagedEngineSpec":
+        from engines.core.spec_decode import SpecDecodeConfig
+
+        given = [n for n in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+                 if getattr(self, n) is not None]
+        if self.speculative_model is None:
+            if given:
+                raise field_error(given[0], "needs speculative_model (ngram or layers:N)")
+            return self
+        try:
+            SpecDecodeConfig.parse(self.speculative_model, self.num_speculative_tokens, self.prompt_lookup_min,
+                                   self.prompt_lookup_max)
+        except ValueError as e:
+            raise field_error("speculative_model", str(e)) from None
+        return self
 
 
 class StaticEngineSpec(StaticPolicyKnobs, RealEngineSpec):

@@ -28,9 +28,13 @@ def engine_counters(engine) -> dict[str, int]:
     """
     sched = engine.scheduler
     kv = getattr(sched, "kv", None)
+    spec = getattr(sched, "spec_stats", None)
     return {"num_preemptions": int(getattr(sched, "num_preemptions", 0) or 0),
             "prefix_cache_queries": int(getattr(kv, "prefix_queries", 0) or 0),
-            "prefix_cache_hits": int(getattr(kv, "prefix_hits", 0) or 0)}
+            "prefix_cache_hits": int(getattr(kv, "prefix_hits", 0) or 0),
+            "spec_decode_num_drafts": int(getattr(spec, "num_drafts", 0)),
+            "spec_decode_num_draft_tokens": int(getattr(spec, "num_draft_tokens", 0)),
+            "spec_decode_num_accepted_tokens": int(getattr(spec, "num_accepted_tokens", 0))}
 
 
 class ServerMetrics:
@@ -41,6 +45,8 @@ class ServerMetrics:
     ``vllm:kv_cache_usage_perc`` (a fraction in [0, 1], as vLLM). Counters: ``vllm:num_preemptions_total``,
     ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:prefix_cache_queries_total``,
     ``vllm:prefix_cache_hits_total`` (tokens, first admissions: see :func:`engine_counters`),
+    ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
+    ``vllm:spec_decode_num_accepted_tokens_total`` (speculative decoding),
     ``vllm:request_success_total{finished_reason=stop|length|abort|error}``. Histograms (seconds):
     ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
     ``vllm:e2e_request_latency_seconds``.
@@ -75,6 +81,11 @@ class ServerMetrics:
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
+        # speculative decoding (vLLM V1's names; zero without it)
+        self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                       "Number of accepted tokens.")
         # one per prompt of an API call, whatever its n (see the class docstring)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 lab + ["finished_reason"], registry=r)
