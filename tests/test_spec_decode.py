@@ -257,3 +257,29 @@ def test_real_model_greedy_output_is_identical_with_ngram_and_a_layer_draft(smol
         if spec["speculative_model"] == "ngram":  # the copy prompts repeat their input: most drafts are kept
             assert st.acceptance_rate > 0.4, st.as_dict()
         assert_no_blocks_held(llm)
+
+
+def test_server_streams_a_speculative_steps_tokens_and_exports_vllm_counters(tiny_llama_dir):
+    """``workbench serve`` with speculation: the streamed token ids (a chunk may carry several) equal the
+    plain engine's greedy output, and ``/metrics`` has vLLM's spec-decode counters."""
+    import httpx
+    import openai
+    from server_helpers import running_server
+
+    from workbench.serve.app import build_app
+    from workbench.serve.prom import parse_metrics
+
+    prompt = repetitive_prompts([5])[0]  # token ids (this one gets drafts accepted)
+    want = LLM(tiny_llama_dir, kv_cache_tokens=4096).generate([prompt], GREEDY)[0].token_ids
+    app = build_app(LLM(tiny_llama_dir, kv_cache_tokens=4096, speculative_model="ngram", num_speculative_tokens=4),
+                    "tiny")
+    with running_server(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True, "return_token_ids": True}))
+        got = [t for c in chunks if c.choices for t in (c.choices[0].token_ids or [])]
+        assert got == want
+        m = parse_metrics(httpx.get(url + "/metrics").text)
+    assert m["vllm:spec_decode_num_drafts_total"] > 0
+    assert 0 < m["vllm:spec_decode_num_accepted_tokens_total"] <= m["vllm:spec_decode_num_draft_tokens_total"]
+    assert m["vllm:generation_tokens_total"] == 40
