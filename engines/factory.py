@@ -46,7 +46,7 @@ from engines.core.static_scheduler import StaticScheduler
 from engines.sim.analytic_cost_model import AnalyticCostModel, Efficiency, SpecDecodeConfig, plan_memory
 from engines.sim.catalog import CatalogError, get_hardware, get_model
 from engines.sim.simulator import VirtualClock, make_sim_engine
-from engines.sim.spec_decode import SpecDecodeExecutor, SpecDecodeSimEngine
+from engines.sim.spec_decode import SimSpecDecode, SpecDecodeExecutor, SpecDecodeSimEngine, make_paged_spec_sim_engine
 
 DEFAULT_KV_CACHE_TOKENS = 65536
 KINDS = ("paged", "static", "sim")  # paged and static run the real model
@@ -55,11 +55,14 @@ RESERVATIONS = ("max", "pow2", "oracle")
 
 # knobs only some engines honour; setting one elsewhere (to other than its default) is an error
 REAL_ONLY = ("device", "attention_backend", "linear_backend", "step_delay_s")
-SIM_ONLY = ("policy", "cost_model", "model_config", "swap_bandwidth_bytes_per_s")
+SIM_ONLY = ("policy", "cost_model", "model_config", "swap_bandwidth_bytes_per_s", "spec_draft_rate")
 CATALOGUE = ("hardware", "tp", "kv_cache_dtype", "efficiency", "speculative_model",
              "num_speculative_tokens", "spec_acceptance_rate")  # what an analytic cost model is built from
 # (and weight_dtype, which every kind takes: see EngineConfig)
 SPEC_REAL = ("speculative_model", "num_speculative_tokens")  # the real paged engine speculates too
+REAL_TP = ("tp",)  # real engines split the model over tp processes (engines.real.tensor_parallel)
+# a sim over a measured cost model speculates through the paged policy (engines.sim.spec_decode.SimSpecDecode)
+SPEC_MEASURED = ("speculative_model", "num_speculative_tokens", "spec_acceptance_rate", "spec_draft_rate")
 PROMPT_LOOKUP = ("prompt_lookup_min", "prompt_lookup_max")  # the real engine's ngram proposer only
 MEMORY = ("gpu_memory_utilization", "activation_reserve_bytes")  # the analytic model's memory plan
 
@@ -105,6 +108,13 @@ class EngineConfig:
             Analytic sim: ``bf16`` (None), ``fp8``, ``awq``, ``gptq`` or ``int4``.
         hardware, tp, kv_cache_dtype, efficiency, speculative_model,
             num_speculative_tokens, spec_acceptance_rate: sim only: the analytic model's deployment.
+        tp: also real engines (paged, static): tensor parallelism over ``tp`` processes on this machine
+            (``engines.real.tensor_parallel``: heads split by whole GQA groups, at most the model's KV heads;
+            ``kv_cache_*`` size the pool over all ranks together). Sim engines: the analytic model's GPUs.
+        speculative_model, num_speculative_tokens, spec_acceptance_rate, spec_draft_rate: a sim over a measured
+            cost model, paged policy: the real engine's speculative path with placeholder drafts
+            (``engines.sim.spec_decode.SimSpecDecode``): ``ngram`` or ``layers:N``, k, the acceptance rate (one,
+            or k per-position conditional rates) and the share of decode rows that get drafts (default 1).
         speculative_model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max: on the real paged
             engine, its own speculative decoding: ``ngram`` (prompt lookup over the request's context) or
             ``layers:N`` (the target's first N layers as the draft), k drafts per step
@@ -147,7 +157,8 @@ class EngineConfig:
     efficiency: dict[str, float] | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
-    spec_acceptance_rate: float | None = None
+    spec_acceptance_rate: float | list[float] | None = None
+    spec_draft_rate: float | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -189,13 +200,15 @@ class EngineConfig:
                     if n in set_]
         else:
             bad += [f"{n} is only for kind sim (kind is {self.kind})" for n in SIM_ONLY + CATALOGUE + MEMORY
-                    if n in set_ and n not in SPEC_REAL]
+                    if n in set_ and n not in SPEC_REAL + REAL_TP]
             bad += self._spec_problems(set_)
             if self.model is None:
                 bad.append(f"a {self.kind} engine runs a model: set model (a known name or a folder)")
         bad += self._weight_dtype_problems()
         if self.dtype not in DTYPE_BYTES:
             bad.append(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            bad.append(f"tp must be an integer >= 1, got {self.tp!r}")
         if self.reservation not in RESERVATIONS:
             bad.append(f"reservation must be max, pow2 or oracle, got {self.reservation!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
@@ -236,6 +249,34 @@ class EngineConfig:
         return SpecDecodeConfig.parse(self.speculative_model, self.num_speculative_tokens, self.prompt_lookup_min,
                                       self.prompt_lookup_max)
 
+    def _sim_spec_problems(self, set_: set[str]) -> list[str]:
+        """A sim over a measured cost model's speculative decoding (see :meth:`sim_spec`)."""
+        if not set_ & set(SPEC_MEASURED):
+            return []
+        if self.speculative_model is None:
+            return ["num_speculative_tokens / spec_acceptance_rate / spec_draft_rate need speculative_model "
+                    "(ngram or layers:N)"]
+        if self.policy_name != "paged":
+            return [f"speculative decoding runs on the paged policy, not {self.policy_name}"]
+        if self.model_config is None:
+            return []  # reported as missing model_config
+        try:
+            self.sim_spec()
+        except ValueError as e:
+            return [str(e)]
+        return []
+
+    def sim_spec(self) -> SimSpecDecode | None:
+        """A sim over a measured cost model's speculative decoding (None: none, or not that kind of engine).
+
+        Raises:
+            ValueError: a bad method, k or rate (one line).
+        """
+        if self.kind != "sim" or self.analytic or self.speculative_model is None:
+            return None
+        return SimSpecDecode.build(self.speculative_model, self.num_speculative_tokens, self.spec_acceptance_rate,
+                                   self.model_config.num_hidden_layers, self.spec_draft_rate)
+
     def _weight_dtype_problems(self) -> list[str]:
         """``weight_dtype`` against what this kind runs (see the field's description), one line each."""
         wd = self.weight_dtype
@@ -269,7 +310,8 @@ class EngineConfig:
         if not self.analytic:  # a measured cost model: the architecture comes from model_config
             if self.model_config is None:
                 bad.append("a sim engine over a measured cost model needs model_config (the simulated architecture)")
-            given = [n for n in ("model",) + CATALOGUE + MEMORY if n in set_]
+            given = [n for n in ("model",) + CATALOGUE + MEMORY if n in set_ and n not in SPEC_MEASURED]
+            bad += self._sim_spec_problems(set_)
             if given:
                 bad.append(f"{', '.join(given)}: only for the analytic cost model (set hardware)")
             return bad
@@ -277,6 +319,8 @@ class EngineConfig:
             bad.append("dtype is the real model's element type; the analytic cost model's KV is kv_cache_dtype")
         if "model_config" in set_:
             bad.append("model_config: the analytic cost model simulates its own catalogue model")
+        if "spec_draft_rate" in set_:
+            bad.append("spec_draft_rate: only for a sim over a measured cost model (the analytic model drafts every row)")
         if self.cost_model is None and self.model is None:
             bad.append("hardware needs model (the catalogue model simulated)")
         given = [n for n in ("model",) + CATALOGUE if n in set_] if self.cost_model is not None else []
@@ -370,13 +414,18 @@ def _build_sim(config: EngineConfig) -> LLMEngine:
         num_blocks = cache.num_blocks(per_token, DEFAULT_KV_CACHE_TOKENS)
     policy = config.policy_name
     num_cpu_blocks = cache.num_cpu_blocks(per_token) if policy == "paged" else 0
-    sched = build_scheduler(policy, sched_cfg, num_blocks, config.block_size, num_cpu_blocks)
+    sim_spec = None if analytic else config.sim_spec()
+    sched = build_scheduler(policy, sched_cfg, num_blocks, config.block_size, num_cpu_blocks,
+                            sim_spec.config if sim_spec else None)
     swap = dict(block_bytes=per_token * config.block_size,
                 swap_bandwidth_bytes_per_s=config.swap_bandwidth_bytes_per_s or DEFAULT_SWAP_BANDWIDTH)
     if analytic and cm.spec is not None:
         clock = VirtualClock()
         return SpecDecodeSimEngine(sched, SpecDecodeExecutor(cm, clock, config.seed, **swap), tokenizer=None,
                                    clock=clock)
+    if sim_spec is not None:
+        return make_paged_spec_sim_engine(sched, cm, sim_spec, config.seed, **swap,
+                                          noise_seed=config.seed if config.step_noise else None)
     return make_sim_engine(sched, cm, **swap, seed=config.seed if config.step_noise else None)
 
 
@@ -408,9 +457,18 @@ def _build_real(config: EngineConfig) -> LLMEngine:
     cache = config.cache_config()
     num_blocks = cache.num_blocks(per_token, DEFAULT_KV_CACHE_TOKENS)
     num_cpu_blocks = cache.num_cpu_blocks(per_token) if config.kind == "paged" else 0
+    spec = config.spec_config()
+    if config.tp > 1:  # rank 0 here, tp - 1 worker processes (engines.real.tensor_parallel)
+        from engines.real.tensor_parallel import TPModelExecutor
+
+        executor = TPModelExecutor(model_dir, config.tp, num_blocks, config.block_size, getattr(torch, config.dtype),
+                                   config.attention_backend, config.device, config.real_weight_dtype,
+                                   config.linear_backend, seed=config.seed, step_delay_s=config.step_delay_s,
+                                   num_cpu_blocks=num_cpu_blocks, draft_layers=spec.draft_layers if spec else 0)
+        return LLMEngine(build_scheduler(config.kind, sched_cfg, num_blocks, config.block_size, num_cpu_blocks,
+                                         spec), executor, tokenizer)
     model = LlamaModel.from_dir(model_dir, getattr(torch, config.dtype), config.attention_backend, config.device,
                                 weight_dtype=config.real_weight_dtype, linear_backend=config.linear_backend)
-    spec = config.spec_config()
     executor = ModelExecutor(model, num_blocks, config.block_size, seed=config.seed, step_delay_s=config.step_delay_s,
                              num_cpu_blocks=num_cpu_blocks, draft_layers=spec.draft_layers if spec else 0)
     return LLMEngine(build_scheduler(config.kind, sched_cfg, num_blocks, config.block_size, num_cpu_blocks, spec),

@@ -48,6 +48,9 @@ class LLM:
             preemption_mode: ``recompute`` (default) or ``swap``.
             swap_space_bytes: CPU swap pool in bytes (swap preemption; default 0 = none, so swap falls
                 back to recompute).
+            tp: tensor parallelism (default 1): the model split over ``tp`` processes on this machine, this
+                one being rank 0 (``engines.real.tensor_parallel``); at most the model's KV heads. Call
+                :meth:`close` (or drop the ``LLM``) to stop the workers.
 
     Raises:
         ModelNotFoundError: ``model`` is neither a known name nor a folder.
@@ -70,6 +73,13 @@ class LLM:
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = mc.eos_token_ids or (() if eos is None else (eos,))
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (tensor-parallel workers); idempotent. The
+        ``LLM`` cannot generate afterwards when it had workers."""
+        close = getattr(self.engine.executor, "close", None)
+        if close is not None:
+            close()
 
     @property
     def eos_token_id(self) -> int | None:

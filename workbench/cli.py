@@ -88,6 +88,7 @@ def generate(
                                                     help="speculative decoding (paged): ngram | layers:N"),
     num_speculative_tokens: Optional[int] = typer.Option(None, "--num-speculative-tokens",
                                                          help="draft tokens per request per step (k)"),
+    tp: int = typer.Option(1, "--tp", help="tensor parallelism: split the model over N processes here (<= KV heads)"),
 ) -> None:
     """Generate completions for all prompts as one batch."""
     from workbench.commands.generate import main
@@ -95,7 +96,7 @@ def generate(
     raise typer.Exit(main(list(prompt), model, chat, engine, max_tokens, temperature, top_p, top_k, seed, list(stop),
                           ignore_eos, dtype, kv_cache_tokens, max_model_len, device, as_json, beam_width,
                           length_penalty, weight_dtype, speculative_model=speculative_model,
-                          num_speculative_tokens=num_speculative_tokens))
+                          num_speculative_tokens=num_speculative_tokens, tp=tp))
 
 
 @trace_app.command("inspect")
@@ -247,18 +248,27 @@ def kv_calc_cmd(model: str = typer.Option(..., "--model", help="catalogue model,
 
 
 @app.command("spec-sweep")
-def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"), draft: str = typer.Option("qwen2.5-0.5b"),
+def spec_sweep_cmd(model: str = typer.Option("llama-3.1-70b"),
+                   draft: Optional[str] = typer.Option(None, help="catalogue draft model (default qwen2.5-0.5b); "
+                                                                  "with --profile: ngram (default) | layers:N"),
                    hardware: str = typer.Option("h100-sxm"), tp: int = typer.Option(4),
                    k: int = typer.Option(5, "--k", help="num_speculative_tokens"),
                    acceptance: float = typer.Option(0.7, "--acceptance", help="per-token acceptance rate"),
                    batches: str = typer.Option("1,2,4,8,16,32,64,128", help="comma-separated batch sizes"),
                    prompt_tokens: int = typer.Option(512), output_tokens: int = typer.Option(256),
-                   out: str = typer.Option("reports/runs/spec-decode", "--out")) -> None:
-    """Speculative-decoding what-if: mean latency with and without a draft model over batch sizes;
-    writes spec_sweep.csv and spec_sweep.png."""
+                   out: str = typer.Option("reports/runs/spec-decode", "--out"),
+                   profile: Optional[str] = typer.Option(None, "--profile",
+                                                         help="auto (this machine's measured profile of --model, "
+                                                              "e.g. smollm2-135m) | a profile JSON: simulate the real "
+                                                              "paged engine's speculative decoding instead of a GPU"),
+                   draft_rate: float = typer.Option(1.0, "--draft-rate",
+                                                    help="with --profile: share of decode rows that get drafts")) -> None:
+    """Speculative-decoding what-if: mean latency with and without a draft model over batch sizes, on a
+    catalogue GPU (analytic model) or, with --profile, on this machine's measured profile; writes
+    spec_sweep.csv and spec_sweep.png."""
     from workbench.commands.spec_sweep import main
 
-    main(model, draft, hardware, tp, k, acceptance, batches, prompt_tokens, output_tokens, out)
+    main(model, draft, hardware, tp, k, acceptance, batches, prompt_tokens, output_tokens, out, profile, draft_rate)
 
 
 @app.command("paper-check")
@@ -296,13 +306,14 @@ def serve(
                                                     help="speculative decoding (paged): ngram | layers:N"),
     num_speculative_tokens: Optional[int] = typer.Option(None, "--num-speculative-tokens",
                                                          help="draft tokens per request per step (k)"),
+    tp: int = typer.Option(1, "--tp", help="tensor parallelism: split the model over N processes here (<= KV heads)"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, SSE streaming, /metrics)."""
     from workbench.commands.serve import main
 
     main(model, host, port, api_key, served_model_name, engine, dtype, block_size, kv_cache_tokens, max_num_seqs,
          max_num_batched_tokens, max_model_len, max_waiting, seed, device, weight_dtype,
-         speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens)
+         speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens, tp=tp)
 
 
 def main() -> None:  # pragma: no cover

@@ -99,7 +99,7 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
         knobs.update({n: getattr(spec, n) for n in ("speculative_model", "num_speculative_tokens",
                                                     "prompt_lookup_min", "prompt_lookup_max")})
     if spec.kind in ("paged", "static"):
-        return EngineConfig(kind=spec.kind, model=model_dir, device=spec.device,
+        return EngineConfig(kind=spec.kind, model=model_dir, device=spec.device, tp=spec.tp,
                             attention_backend=spec.attention_backend, linear_backend=spec.linear_backend, step_delay_s=spec.test_step_delay_s or 0.0,
                             **knobs)
     assert isinstance(spec, SimEngineSpec)

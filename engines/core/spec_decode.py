@@ -47,6 +47,8 @@ class SpecDecodeConfig:
         num_speculative_tokens: k, drafts per request per step (>= 1).
         prompt_lookup_min, prompt_lookup_max: ``ngram``: the shortest and longest suffix n-gram matched.
         draft_layers: ``layers``: N.
+        placeholder_drafts: the scheduler only reserves ``k`` placeholder draft slots per decode row, whatever
+            the method (the simulator: it has no real tokens to look up; its executor draws the acceptances).
     """
 
     method: str
@@ -54,6 +56,7 @@ class SpecDecodeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_layers: int = 0
+    placeholder_drafts: bool = False
 
     @classmethod
     def parse(cls, speculative_model: str, num_speculative_tokens: int | None, prompt_lookup_min: int | None = None,
@@ -91,8 +94,9 @@ class SpecDecodeConfig:
 
     @property
     def proposes_in_scheduler(self) -> bool:
-        """Whether the scheduler fills the drafts (``ngram``) or only reserves their slots (a draft model)."""
-        return self.method == "ngram"
+        """Whether the scheduler fills the drafts (``ngram``) or only reserves their slots (a draft model, or
+        ``placeholder_drafts``)."""
+        return self.method == "ngram" and not self.placeholder_drafts
 
 
 class NgramProposer:

@@ -15,11 +15,12 @@ def main(prompts: list[str], model: str = "smollm2-135m", chat: bool = False, en
          kv_cache_tokens: int | None = None, max_model_len: int | None = None, device: str = "auto",
          as_json: bool = False, beam_width: int = 1, length_penalty: float = 1.0,
          weight_dtype: str | None = None, speculative_model: str | None = None,
-         num_speculative_tokens: int | None = None) -> int:
+         num_speculative_tokens: int | None = None, tp: int = 1) -> int:
     """Generate completions for all prompts as one batch and print them (``as_json``:
     ``{"outputs": [{"prompt", "token_ids", "text", "finish_reason", ...}]}``). ``weight_dtype`` None: the
     dense weights of ``dtype``, else ``fp32``/``bf16``/``int8``/``int4``. ``speculative_model`` (``ngram`` or
-    ``layers:N``) with ``num_speculative_tokens`` k: speculative decoding (paged engine).
+    ``layers:N``) with ``num_speculative_tokens`` k: speculative decoding (paged engine). ``tp`` > 1: the model
+    split over that many processes (``engines.real.tensor_parallel``).
 
     Returns 1 when a request was rejected, else 0.
 
@@ -34,7 +35,8 @@ def main(prompts: list[str], model: str = "smollm2-135m", chat: bool = False, en
     with usage_errors(ValueError):
         llm = LLM(model, engine=engine, dtype=dtype, kv_cache_tokens=kv_cache_tokens, max_model_len=max_model_len,
                   seed=seed or 0, device=device, weight_dtype=weight_dtype, **spec_knobs(speculative_model,
-                                                                                       num_speculative_tokens))
+                                                                                       num_speculative_tokens),
+                  tp=tp)
     sp = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                         stop=list(stop), ignore_eos=ignore_eos, beam_width=beam_width, length_penalty=length_penalty)
     bad = sp.validate()

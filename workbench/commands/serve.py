@@ -11,9 +11,10 @@ def main(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000,
          kv_cache_tokens: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
          max_model_len: int | None = None, max_waiting: int = 1024, seed: int = 0, device: str = "auto",
          weight_dtype: str | None = None, speculative_model: str | None = None,
-         num_speculative_tokens: int | None = None) -> None:
+         num_speculative_tokens: int | None = None, tp: int = 1) -> None:
     """Serve until interrupted (``max_waiting`` 0: no limit on queued requests; ``weight_dtype`` None: the
-    dense weights of ``dtype``, else ``fp32``/``bf16``/``int8``/``int4``).
+    dense weights of ``dtype``, else ``fp32``/``bf16``/``int8``/``int4``; ``tp`` > 1: the model split over that
+    many processes, ``engines.real.tensor_parallel``).
 
     Raises:
         UsageError: a bad option or engine setting, an unknown model, or an address that cannot be bound.
@@ -31,4 +32,4 @@ def main(model: str = "smollm2-135m", host: str = "127.0.0.1", port: int = 8000,
                    kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, seed=seed,
                    device=device, weight_dtype=weight_dtype,
-                   **spec_knobs(speculative_model, num_speculative_tokens))
+                   **spec_knobs(speculative_model, num_speculative_tokens), tp=tp)

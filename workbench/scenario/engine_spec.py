@@ -17,7 +17,7 @@ Which knobs each kind takes:
   - orca (simulated only): ``reservation``, ``max_num_seqs``, ``max_num_batched_tokens`` (iteration-level
     batching over contiguous reservations, see ``engines.core.orca_scheduler``);
 
-* ``paged`` and ``static`` (the real model): ``device``, ``attention_backend``, ``test_step_delay_s``;
+* ``paged`` and ``static`` (the real model): ``device``, ``attention_backend``, ``test_step_delay_s``, ``tp``;
 * ``sim``: ``policy``, ``cost_model``, ``swap_bandwidth_bytes_per_s`` and the GPU what-if fields
   (``model``, ``hardware``, ``tp``, ``kv_cache_dtype``, ``gpu_memory_utilization``, ...);
 * ``openai``: ``base_url``, ``api_key``, ``model`` (the served model's id), ``endpoint`` (``completions`` or
@@ -203,12 +203,15 @@ class RealEngineSpec(BuiltEngineSpec):
             on CUDA), ``onednn`` or ``torch`` (``engines.real.linear``).
         test_step_delay_s: TEST-ONLY: seconds of busy work added to every step, to slow an engine
             deliberately (regression-gate tests). Not part of :func:`scenario_hash`.
+        tp: tensor parallelism: the model split over ``tp`` processes on this machine (default 1;
+            ``engines.real.tensor_parallel``; at most the model's KV heads, checked when the engine is built).
     """
 
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
     linear_backend: Literal["auto", "torch", "onednn"] = "auto"
     test_step_delay_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    tp: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _runs_weight_dtype(self) -> "RealEngineSpec":
