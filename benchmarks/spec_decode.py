@@ -223,7 +223,7 @@ def main() -> None:
     if a.max_points:
         plan = plan[:a.max_points]
     warm = prompts(tok, WARMUP)
-    rows, bases = [], {}
+    rows, bases, md = [], {}, ""
     t_start = time.perf_counter()
     for method, batch, k in plan:
         max_tokens = a.big_batch_tokens if batch >= a.big_batch else a.max_tokens

@@ -208,12 +208,19 @@ def test_scenario_engine_takes_speculation_and_results_report_acceptance(tiny_ll
     from workbench.runner import run_scenario
     from workbench.scenario import load_scenario
 
+    from engines.sim.cost_model import CostModel
+
+    CostModel({"const": 0.002, "tokens": 1e-4, "decode_ctx": 0, "prefill_attn": 0, "sampled": 0}).save(tmp_path / "cm.json")
     engine = {"kind": "paged", "kv_cache_tokens": 4096, "max_model_len": 256}
+    sim = {"kind": "sim", "cost_model": "cm.json", "kv_cache_tokens": 4096, "max_model_len": 256, "step_noise": False}
     d = {"name": "spec", "seed": 1, "model": str(tiny_llama_dir),
          "trace": {"format": "synthetic", "synthetic": {"num_requests": 6, "request_rate": 40.0, "lengths": "uniform",
                                                         "input_range": [8, 60], "output_range": [30, 40]}},
          "engines": [dict(engine, name="plain"),
-                     dict(engine, name="spec", speculative_model="ngram", num_speculative_tokens=3)]}
+                     dict(engine, name="spec", speculative_model="ngram", num_speculative_tokens=3),
+                     dict(sim, name="sim-plain"),
+                     dict(sim, name="sim-spec", speculative_model="ngram", num_speculative_tokens=3,
+                          spec_acceptance_rate=0.6)]}
     p = tmp_path / "s.yaml"
     p.write_text(yaml.safe_dump(d))
     res = run_scenario(load_scenario(p), tmp_path / "out", plots=False)
@@ -223,6 +230,11 @@ def test_scenario_engine_takes_speculation_and_results_report_acceptance(tiny_ll
     assert sd["num_drafts"] > 0 and 0 <= sd["num_accepted_tokens"] <= sd["num_draft_tokens"]
     assert sd["mean_acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
     assert spec["total_output_tokens"] == plain["total_output_tokens"]
+    # the simulator runs the same speculative path: the same outputs in fewer steps, at the given rate
+    sim_plain, sim_spec = res["engines"]["sim-plain"]["summary"], res["engines"]["sim-spec"]["summary"]
+    assert sim_spec["total_output_tokens"] == sim_plain["total_output_tokens"]
+    assert sim_spec["num_steps"] < sim_plain["num_steps"]
+    assert 0.3 < sim_spec["spec_decode"]["acceptance_rate"] < 0.9
     bad = dict(d, engines=[dict(engine, name="x", num_speculative_tokens=3)])
     p.write_text(yaml.safe_dump(bad))
     with pytest.raises(Exception, match="needs speculative_model"):

@@ -113,6 +113,9 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
                             num_speculative_tokens=spec.num_speculative_tokens,
                             spec_acceptance_rate=spec.spec_acceptance_rate, **sim)
     cm = cost_model or load_cost_model(scenario, spec, model_dir)[0]
+    if spec.speculative_model is not None:  # the real paged engine's speculation, simulated
+        sim.update(speculative_model=spec.speculative_model, num_speculative_tokens=spec.num_speculative_tokens,
+                   spec_acceptance_rate=spec.spec_acceptance_rate)
     return EngineConfig(model=spec.model, model_config=model_cfg, cost_model=cm, step_noise=spec.step_noise, **sim)
 
 

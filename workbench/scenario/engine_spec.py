@@ -291,7 +291,9 @@ class SimEngineSpec(StaticPolicyKnobs, PagedPolicyKnobs, BuiltEngineSpec):
         activation_reserve_gib: override of the activation reserve, GiB.
         efficiency: overrides of the analytic cost model's efficiency factors.
         speculative_model, num_speculative_tokens, spec_acceptance_rate: speculative decoding (all three
-            or none): the draft model (catalogue), tokens drafted per step, acceptance rate in [0, 1).
+            or none): the draft model (catalogue; over a measured profile: the real paged engine's ``ngram`` or
+            ``layers:N``, policy paged), tokens drafted per step, acceptance rate in [0, 1) (over a measured
+            profile: the rate measured on the real engine, e.g. its ``spec_decode.acceptance_rate``).
     """
 
     kind: Literal["sim"]
@@ -432,7 +434,7 @@ def _check_whatif(e: SimEngineSpec) -> None:
             get_hardware(e.hardware)
         if e.model is not None:
             get_model(e.model)
-        if e.speculative_model is not None:
+        if e.speculative_model is not None and analytic:
             get_model(e.speculative_model)
         if e.efficiency is not None:
             Efficiency.default(**e.efficiency)
@@ -440,8 +442,18 @@ def _check_whatif(e: SimEngineSpec) -> None:
         raise ValueError(str(err)) from None
     if analytic and e.hardware is None:
         raise ValueError("cost_model analytic needs hardware (a catalogue GPU, e.g. h100-sxm)")
+    if not analytic and e.speculative_model is not None:  # the real paged engine's speculation, simulated
+        from engines.core.spec_decode import SpecDecodeConfig
+
+        if e.policy != "paged":
+            raise ValueError(f"speculative_model {e.speculative_model}: the paged policy speculates, not {e.policy}")
+        try:
+            SpecDecodeConfig.parse(e.speculative_model, e.num_speculative_tokens)
+        except ValueError as err:
+            raise ValueError(f"{err} (a sim over a measured profile simulates the real engine's ngram or "
+                             "layers:N; catalogue drafts need cost_model analytic)") from None
     if not analytic:
-        for name in ("hardware", "efficiency", "speculative_model"):
+        for name in ("hardware", "efficiency"):
             if getattr(e, name) is not None:
                 raise ValueError(f"{name} needs cost_model analytic (cost_model is {e.cost_model})")
         if e.tp != 1 or e.kv_cache_dtype != "bf16":
