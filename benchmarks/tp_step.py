@@ -8,6 +8,13 @@ two ranks compete for the same cores with anything else running).
 
     python benchmarks/tp_step.py [--repeats 7] [--json out.json]
 
+What-if beside the measurement: the analytic cost model's tensor-parallel step with this machine's own numbers,
+``t(tp 2) = t(tp 1) + 2 x layers x t_ar(rows)``: the compute of tp 1 on 2 cores equals that of 2 ranks of half
+the work on 1 core each (perfect split), plus two all-reduces of ``[rows, hidden]`` float32 per layer, each
+timed bare between two gloo processes (``t_ar``, median; the analytic model's ``latency + bytes / link``, here
+measured, not priced). The difference to the measured tp 2 is what the split loses beyond communication: the
+uneven 6/3 query-head split (rank 0 does two thirds of the attention), one thread per rank, the worker message.
+
 Prints a markdown table, then the same numbers as JSON (with the CPU model and torch's CPU capability).
 """
 
@@ -96,24 +103,75 @@ def measure(tp: int, repeats: int) -> dict[str, dict]:
     return res
 
 
+def _allreduce_worker(rank: int, port: int, sizes: list[int], hidden: int, repeats: int, q) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    pg = dist.ProcessGroupGloo(store, rank, 2, __import__("datetime").timedelta(seconds=60))
+    out = {}
+    for rows in sizes:
+        x = torch.randn(rows, hidden)
+        ts = []
+        for i in range(repeats + 3):
+            t0 = time.perf_counter()
+            pg.allreduce([x]).wait()
+            if i >= 3:
+                ts.append(time.perf_counter() - t0)
+        out[rows] = statistics.median(ts)
+    if rank == 0:
+        q.put(out)
+
+
+def bare_allreduce_s(sizes: list[int], hidden: int, repeats: int = 50) -> dict[int, float]:
+    """Median seconds of one gloo all-reduce of ``[rows, hidden]`` float32 between two processes, per row count."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, sizes, hidden, repeats, q)) for r in (0, 1)]
+    for pr in procs:
+        pr.start()
+    res = q.get(timeout=300)
+    for pr in procs:
+        pr.join(60)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     results = {tp: measure(tp, a.repeats) for tp in (1, 2)}
+    from engines.core.config import ModelConfig
+    from engines.real.model_store import resolve_model
+
+    mc = ModelConfig.from_dir(resolve_model("smollm2-135m"))
+    rows_of = {name: (out.num_batched_tokens) for name, out in cases()}
+    t_ar = bare_allreduce_s(sorted(set(rows_of.values())), mc.hidden_size)
+    for name, r2 in results[2].items():
+        ar = 2 * mc.num_hidden_layers * t_ar[rows_of[name]] * 1e3
+        r2["whatif_all_reduce_ms"] = round(ar, 2)
+        r2["whatif_step_ms"] = round(results[1][name]["step_ms"] + ar, 2)
     meta = {"cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__, "model": "smollm2-135m",
             "dtype": "float32", "repeats": a.repeats}
     print(f"CPU: {meta['cpu']} ({meta['cores']} cores, torch {meta['torch']}, capability {meta['cpu_capability']})")
     print()
-    print("| step | tp 1 ms | tp 2 ms | tp 2 / tp 1 | tp 2 all-reduce ms (share) | all-reduces | broadcast ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| step | tp 1 ms | tp 2 ms | tp 2 / tp 1 | tp 2 all-reduce ms (share) | all-reduces | broadcast ms | "
+          "what-if tp 2 ms | what-if all-reduce ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in results[1]:
         r1, r2 = results[1][name], results[2][name]
         print(f"| {name} | {r1['step_ms']:.1f} | {r2['step_ms']:.1f} | {r2['step_ms'] / r1['step_ms']:.2f} | "
               f"{r2['all_reduce_ms']:.1f} ({r2['all_reduce_share']:.0%}) | {r2['all_reduces_per_step']} | "
-              f"{r2['broadcast_ms']:.2f} |")
+              f"{r2['broadcast_ms']:.2f} | {r2['whatif_step_ms']:.1f} | {r2['whatif_all_reduce_ms']:.1f} |")
     payload = {"meta": meta, "tp1": results[1], "tp2": results[2]}
     print()
     print(json.dumps(payload, indent=1))
