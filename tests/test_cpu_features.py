@@ -56,6 +56,16 @@ def test_flags_are_read_from_proc_cpuinfo():
 def test_onednn_linear_matches_f_linear(dtype):
     """The reordered oneDNN weight gives F.linear's result (another summation order, same precision) at
     the row counts of decode and prefill steps, with and without bias, on a strided input."""
+    from engines.real.linear import onednn_supports
+
+    cpu = torch.device("cpu")
+    if not onednn_supports(dtype):  # bfloat16 on an AVX2-only CPU: auto falls back to F.linear, onednn is refused
+        assert dtype == torch.bfloat16 and "avx512bw" not in cpu_features.cpu_flags()
+        assert resolve_linear_backend("auto", cpu, dtype) == "torch"
+        with pytest.raises(ValueError, match="cannot run"):
+            resolve_linear_backend("onednn", cpu, dtype)
+        return
+    assert resolve_linear_backend("auto", cpu, dtype) == "onednn"
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
     onednn, ref = Linear(w, b, "onednn"), Linear(w, b, "torch")

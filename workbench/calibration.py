@@ -72,7 +72,7 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
             "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
             "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype,
             "weight_dtype": real_weight_dtype(weight_dtype, dtype),
-            "attention": attention, "linear": resolve_linear_backend("auto", torch.device("cpu")),
+            "attention": attention, "linear": resolve_linear_backend("auto", torch.device("cpu"), getattr(torch, dtype)),
             "kernels": f"r{ENGINE_SPEED_REVISION}-{source_sha256()}", "profile_format": PROFILE_FORMAT}
 
 

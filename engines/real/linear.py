@@ -6,7 +6,8 @@ frozen CPU linears). ``F.linear`` in float32 goes to the BLAS torch was built wi
 CPUs runs a generic code path: on one 2-core AMD EPYC (AVX-512) MKL's float32 GEMM of SmolLM2's shapes ran at
 about 180 GFLOP/s and oneDNN's reordered one at 400-470, with the same float32 results to about 1e-6
 relative (another summation order, not lower precision). ``benchmarks/throughput.py`` measures both beside
-each other as the GEMM ceilings. ``auto`` is ``onednn`` on CPU and ``torch`` elsewhere.
+each other as the GEMM ceilings. ``auto`` is ``onednn`` on CPU and ``torch`` elsewhere, and ``torch`` for bfloat16
+on a CPU whose oneDNN refuses it (AVX2 only).
 
 oneDNN keeps about 1 MiB per distinct row count it has seen (a compiled primitive; capping
 ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` did not release it), so a server fed every batch size from 1 to 1,100
@@ -19,6 +20,8 @@ are weight-only quantized layers (``engines.real.quant``), the activations stayi
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -36,17 +39,38 @@ ONEDNN_ROWS_HINT = 64
 ONEDNN_WARM_MAX_ROWS = 4096
 
 
-def resolve_linear_backend(backend: str, device: torch.device) -> str:
-    """``torch`` or ``onednn`` for a ``linear_backend`` knob on ``device``.
+@functools.lru_cache(maxsize=None)
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN reorder runs ``dtype`` on this CPU: float32 wherever torch has oneDNN; bfloat16
+    only where the CPU has ``avx512bw``/``avx512vl``/``avx512dq`` or ``avx_ne_convert`` (an AVX2-only CPU
+    refuses it: ``bf16 path needs the cpu support ...``). Probed once per dtype with a 16 x 16 weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), ONEDNN_ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
+def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """``torch`` or ``onednn`` for a ``linear_backend`` knob on ``device`` for weights of ``dtype``: ``auto`` is
+    ``onednn`` on a CPU whose oneDNN runs ``dtype`` (:func:`onednn_supports`), else ``torch``.
 
     Raises:
-        ValueError: an unknown name, or ``onednn`` asked for off the CPU or where torch has no oneDNN.
+        ValueError: an unknown name, or ``onednn`` asked for off the CPU, where torch has no oneDNN, or for a
+            dtype this CPU's oneDNN cannot run (bfloat16 on an AVX2-only CPU).
     """
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
     usable = device.type == "cpu" and torch.backends.mkldnn.is_available()
     if backend == "onednn" and not usable:
         raise ValueError(f"linear_backend 'onednn' needs the CPU and torch built with oneDNN (device {device})")
+    if usable and not onednn_supports(dtype):
+        if backend == "onednn":
+            raise ValueError(f"linear_backend 'onednn': this CPU's oneDNN cannot run {dtype} GEMMs (bfloat16 needs "
+                             "avx512bw/vl/dq or avx_ne_convert); use linear_backend torch or auto")
+        usable = False
     if backend == "auto":
         return "onednn" if usable else "torch"
     return backend

@@ -228,7 +228,7 @@ class LlamaModel:
         self.fused = self.attention.fused_cpu
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.weight_dtype = weight_dtype or model_weight_dtype(dtype)
-        self.linear_backend = resolve_linear_backend(linear_backend, self.device)
+        self.linear_backend = resolve_linear_backend(linear_backend, self.device, dtype)
         backend = self.linear_backend
 
         def linear(weight, bias=None):
