@@ -1,7 +1,15 @@
 """Simulator speed: replay the whole Azure 2023 conversation trace (19,366 requests, unscaled lengths)
-on the simulated paged engine with the CPU cost model, and time it (a benchmark, not a test).
+on the simulated paged engine with the committed CPU cost model, and time it (a benchmark, not a test).
 
-    python benchmarks/sim_speed.py [--trace PATH] [--limit N]
+    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--no-prefix-caching] [--profile-out FILE]
+
+The Azure trace carries lengths only. Each request gets its own prompt token ids (request i's prompt is
+``100 + (i * 7919 + k) % 48900`` for position k: no two requests share a first block, so nothing is a
+prefix-cache hit, as with the random prompts ``workbench run`` gives a length-only trace), and prefix caching
+is on, the paged engine's default: the benchmark times the block hashing and lookups a real run pays.
+``--no-prefix-caching`` turns caching off explicitly. Prints the simulated figures, the wall time, the
+microseconds per engine step and the peak resident memory (``ru_maxrss``). ``--profile-out`` writes a
+cProfile of the simulation.
 
 The trace is read from ``../shared/traces`` at run time (the project ships only a slice).
 """
@@ -10,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -26,6 +35,13 @@ from workbench.replay import make_requests  # noqa: E402
 from workbench.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "azure-2023-conv" / "AzureLLMInferenceTrace_conv.csv"
+TOKEN_LO, TOKEN_SPAN, TOKEN_STRIDE = 100, 48900, 7919  # SmolLM2's vocabulary is 49,152; 7919 is prime
+
+
+def distinct_prompt(i: int, n: int) -> list[int]:
+    """Request ``i``'s ``n`` prompt token ids: distinct first blocks for every i < TOKEN_SPAN."""
+    off = i * TOKEN_STRIDE
+    return [TOKEN_LO + (off + k) % TOKEN_SPAN for k in range(n)]
 
 
 def main() -> None:
@@ -34,26 +50,41 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--profile", default=str(ROOT / "workbench" / "data" / "profiles" / "ci-reference.json"))
     ap.add_argument("--kv-cache-tokens", type=int, default=1_000_000)
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--profile-out", default=None, help="write a cProfile of the simulation here")
     a = ap.parse_args()
     from engines.real.model_store import resolve_model
 
     cfg = ModelConfig.from_dir(resolve_model("smollm2-135m"))
     t0 = time.perf_counter()
     trace = load_trace("azure", a.trace, limit=a.limit)
-    for r in trace:  # counts only: placeholder prompt ids (no prefix caching here)
-        r.prompt_token_ids = [0] * r.prompt_tokens
+    for i, r in enumerate(trace):
+        r.prompt_token_ids = distinct_prompt(i, r.prompt_tokens)
     reqs = make_requests(trace, None)
     t_load = time.perf_counter() - t0
     engine = build_sim_engine("paged", cfg, CostModel.load(a.profile), kv_cache_tokens=a.kv_cache_tokens,
-                              max_model_len=16384, max_num_seqs=256, max_num_batched_tokens=2048)
+                              max_model_len=16384, max_num_seqs=256, max_num_batched_tokens=2048,
+                              enable_prefix_caching=a.prefix_caching)
+    prof = None
+    if a.profile_out:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t1 = time.perf_counter()
     outs = simulate(engine, reqs)
     t_sim = time.perf_counter() - t1
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(a.profile_out)
     s = summarize(outs, engine.steps, len(trace))
-    print(json.dumps({"requests": len(trace), "steps": len(engine.steps), "load_s": round(t_load, 2),
-                      "simulate_s": round(t_sim, 2), "simulated_duration_s": round(s["duration_s"], 1),
-                      "finished": s["num_finished"], "rejected": s["num_rejected"],
-                      "output_throughput": round(s["output_throughput"], 1)}, indent=2))
+    print(json.dumps({"requests": len(trace), "prefix_caching": a.prefix_caching, "steps": len(engine.steps),
+                      "load_s": round(t_load, 2), "simulate_s": round(t_sim, 2),
+                      "us_per_step": round(1e6 * t_sim / max(len(engine.steps), 1), 1),
+                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                      "simulated_duration_s": round(s["duration_s"], 1), "finished": s["num_finished"],
+                      "rejected": s["num_rejected"], "output_throughput": round(s["output_throughput"], 1),
+                      "prefix_cache_hit_rate": s.get("prefix_cache_hit_rate")}, indent=2))
 
 
 if __name__ == "__main__":

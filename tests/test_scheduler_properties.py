@@ -22,6 +22,7 @@ from engines.core.request import Request, RequestStatus
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK, StaticScheduler
+from engines.core.step_shape import _scatter
 
 EOS = 2
 ENDED = {
@@ -141,6 +142,10 @@ def check_paged_step(sched: PagedScheduler, out: SchedulerOutput) -> None:
             assert req.num_output_tokens + seq.num_spec + 1 <= req.sampling_params.max_tokens
         assert len(seq.block_table) * kv.block_size >= seq.context_len
         assert seq.block_table == tables[seq.request_id]
+        # the KV manager's running count of non-consecutive neighbours matches a recount of the table
+        assert seq.scatter == _scatter(seq.block_table)
+    for rid, t in tables.items():
+        assert kv.scatter(rid) == _scatter(t)
     st_ = out.kv_stats
     assert st_.allocated == pool.num_used_blocks * kv.block_size
     assert min(st_.token_states, st_.reserved, st_.internal_frag) >= 0
@@ -567,3 +572,50 @@ def test_static_releases_last_batch_when_its_last_member_ends():
     assert not sched.has_unfinished()
     assert kv.runs == {} and sched.kv_stats().allocated == 0
     assert sched.schedule().is_empty
+
+
+def test_block_table_scatter_follows_fork_copy_on_write_trim_and_swap():
+    """``PagedKVCacheManager.scatter`` (kept as tables change) equals a recount of each table after every kind
+    of change: growth from a scattered free queue, a fork, a copy-on-write of a shared partly filled block, a
+    trim, a swap out and back in, and a free."""
+    kv = PagedKVCacheManager(num_blocks=14, block_size=4, num_cpu_blocks=16)
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    filler = Request("filler", list(range(3, 3 + 40)), sp)
+    a = Request("a", list(range(3, 3 + 10)), sp)
+
+    def check():
+        for rid, t in kv.block_tables.items():
+            assert kv.scatter(rid) == _scatter(t), rid
+
+    assert kv.allocate_slots(filler, 40)
+    kv.free(filler)  # its 10 blocks go back to the free queue's tail in reverse order
+    assert kv.allocate_slots(a, 10)  # blocks 10, 11, 12 (then 13, then the freed 9, 8, ...)
+    a.num_computed_tokens = 10
+    check()
+    a.append_output(5)
+    assert kv.allocate_slots(a, 1)
+    a.num_computed_tokens = 11
+    for _ in range(6):  # grows into the scattered, reversed blocks freed above
+        a.append_output(5)
+        assert kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    check()
+    assert kv.scatter("a") > 0
+    child = Request("a#1", a.prompt_token_ids, sp, parent_id="a")
+    child.num_computed_tokens = a.num_computed_tokens
+    kv.fork(a, child)
+    check()
+    child.append_output(6)
+    assert kv.allocate_slots(child, 1)  # writes into the shared partly filled last block: copy-on-write
+    assert kv.num_cow_copies == 1
+    check()
+    assert kv.trim(a, 9) > 0
+    check()
+    mapping = kv.swap_out(child)
+    assert mapping and "a#1" not in kv.block_tables
+    check()
+    assert kv.swap_in(child, 1) is not None
+    check()
+    kv.free(a)
+    kv.free(child)
+    assert not kv._breaks and not kv.block_tables

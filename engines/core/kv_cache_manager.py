@@ -29,6 +29,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def count_breaks(table: list[int]) -> int:
+    """Neighbouring entries of a block table that are not consecutive block ids."""
+    return sum(1 for a, b in zip(table, table[1:]) if b != a + 1)
+
+
 @dataclass
 class KVStats:
     """Slot counts (tokens) of the whole pool at one instant."""
@@ -73,6 +78,9 @@ class PagedKVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.enable_caching = enable_caching
         self._num_cached: dict[str, int] = {}  # request id -> leading blocks of its table already hashed
+        # request id -> neighbouring entries of its block table that are not consecutive block ids, kept as
+        # the table changes so that a step's scatter (StepShape.scattered_ctx) costs O(1) per row, not O(blocks)
+        self._breaks: dict[str, int] = {}
         # prefix-cache counters in tokens (vLLM's PrefixCacheStats): first admissions, and re-admissions
         # after a recompute preemption, kept apart so the hit rate describes the workload
         self.prefix_queries = self.prefix_hits = 0
@@ -157,6 +165,19 @@ class PagedKVCacheManager:
 
         Returns False (taking and allocating nothing) when the pool has too few free blocks.
         """
+        bs = self.block_size
+        table = self.block_tables.get(request.request_id)
+        if table is not None and not new_computed_blocks:
+            # the common decode step first: its tokens fit the blocks it holds and no shared partly filled
+            # block needs a copy (the same outcome as the general path below, without its bookkeeping)
+            computed = request.num_computed_tokens
+            total = computed + num_new_tokens
+            if total <= len(table) * bs and (num_new_tokens <= 0 or not computed % bs
+                                             or not self.pool.num_shared_blocks):
+                if self.enable_caching and min(total, len(request.all_token_ids)) // bs > \
+                        self._num_cached.get(request.request_id, 0):
+                    self._cache_full_blocks(request, total)
+                return True
         table = self.block_tables.setdefault(request.request_id, [])
         hit = new_computed_blocks or []
         total = request.num_computed_tokens + len(hit) * self.block_size + num_new_tokens
@@ -175,6 +196,7 @@ class PagedKVCacheManager:
             self.pending_copies.append((src, dst))
             self.pool.free([src])
             table[cow] = dst
+            self._breaks[request.request_id] = count_breaks(table)
             self.num_cow_copies += 1
         if hit:
             # hit blocks that sit in the free queue stop being available for fresh allocation
@@ -182,12 +204,12 @@ class PagedKVCacheManager:
             if max(need, 0) > self.pool.num_free_blocks - free_hits:
                 return False
             self.pool.touch(hit)
-            table.extend(hit)
+            self._extend(request.request_id, table, hit)
         if need > 0:
             blocks = self.pool.allocate(need)
             if blocks is None:
                 return False
-            table.extend(blocks)
+            self._extend(request.request_id, table, blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, total)
         return True
@@ -202,6 +224,7 @@ class PagedKVCacheManager:
             return 0
         tail = table[keep:]
         del table[keep:]
+        self._breaks[request.request_id] = count_breaks(table)
         self.pool.free(list(reversed(tail)))
         return len(tail)
 
@@ -211,6 +234,7 @@ class PagedKVCacheManager:
         table = list(self.block_tables.get(parent.request_id, []))
         self.pool.incref(table)
         self.block_tables[child.request_id] = table
+        self._breaks[child.request_id] = self._breaks.get(parent.request_id, 0)
         self._num_cached[child.request_id] = self._num_cached.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
@@ -219,6 +243,7 @@ class PagedKVCacheManager:
         Freed blocks keep their prefix-cache hashes until they are reused."""
         table = self.block_tables.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        self._breaks.pop(request.request_id, None)
         if table:
             # free in reverse so the tail blocks (least likely shared later) are evicted first
             self.pool.free(list(reversed(table)))
@@ -228,6 +253,25 @@ class PagedKVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
+
+    def scatter(self, request_id: str) -> float:
+        """Share of the request's block-table neighbours that are not consecutive block ids (0: one contiguous
+        run, or fewer than two blocks): ``engines.core.step_shape`` scatter, kept up to date as the table changes."""
+        n = len(self.block_tables.get(request_id, ()))
+        return self._breaks.get(request_id, 0) / (n - 1) if n >= 2 else 0.0
+
+    def _extend(self, request_id: str, table: list[int], blocks: list[int]) -> None:
+        """Append ``blocks`` to ``table`` (the request's block table), counting the new non-consecutive neighbours."""
+        if not blocks:
+            return
+        prev = table[-1] if table else blocks[0] - 1
+        breaks = 0
+        for b in blocks:
+            if b != prev + 1:
+                breaks += 1
+            prev = b
+        self._breaks[request_id] = self._breaks.get(request_id, 0) + breaks
+        table.extend(blocks)
 
     # -- swapping ----------------------------------------------------------------------------
     @property
@@ -267,6 +311,7 @@ class PagedKVCacheManager:
         del self.cpu_tables[rid]
         self._cpu_free.extend(cpu)
         self.block_tables[rid] = blocks
+        self._breaks[rid] = count_breaks(blocks)
         if self.enable_caching:
             self._num_cached[rid] = 0
             self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)

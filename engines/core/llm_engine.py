@@ -198,7 +198,10 @@ class LLMEngine:
             if req is None:
                 continue
             new = req.num_output_tokens - before[rid] if rid in before else 1
-            req.token_times.extend([now] * new)
+            if new == 1:
+                req.token_times.append(now)
+            else:
+                req.token_times.extend([now] * new)
             if req.first_token_time is None:
                 req.first_token_time = now
             det = self._detok.get(rid)

@@ -92,7 +92,7 @@ class OrcaScheduler(Scheduler):
         start = req.num_computed_tokens
         return ScheduledSeq(request_id=req.request_id, token_ids=req.all_token_ids[start:], start_pos=start,
                             block_table=self.kv.block_table(req.request_id), sample=True,
-                            sampling_params=req.sampling_params, request=req)
+                            sampling_params=req.sampling_params, request=req, scatter=0.0)  # contiguous run
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)

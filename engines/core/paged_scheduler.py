@@ -226,9 +226,10 @@ class PagedScheduler(Scheduler):
         start = req.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n] + (drafts or []),
+            token_ids=req.all_token_ids[start : start + n] + drafts if drafts else req.all_token_ids[start : start + n],
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
+            scatter=self.kv.scatter(req.request_id),
             sample=start + n == req.num_tokens_total,
             sampling_params=req.sampling_params,
             request=req,

@@ -62,6 +62,9 @@ class ScheduledSeq:
     # the request itself (None for synthetic rows, e.g. the profiler's): logits processors read its tokens
     # so far (penalties, min_tokens) and prompt log-probabilities its prompt
     request: Request | None = field(default=None, repr=False, compare=False)
+    # share of ``block_table``'s neighbouring entries that are not consecutive block ids, when the scheduler
+    # keeps it (the paged KV manager counts it as the table grows); None: ``StepShape.of`` counts it
+    scatter: float | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -216,18 +219,20 @@ class Scheduler:
         (the rest are dropped). Returns the requests that finished in this step.
         """
         finished = []
+        requests, prompt_lps, beams = self.requests, result.prompt_logprobs, result.beam_candidates
         for seq in output.seqs:
             if seq.is_padding:
                 continue
-            req = self.requests.get(seq.request_id)
+            req = requests.get(seq.request_id)
             if req is None or req.is_finished:
                 continue
             accepted = result.spec_accepted.get(seq.request_id, []) if seq.num_spec else []
             if seq.num_spec:
                 self.spec_stats.record(seq.num_spec, len(accepted))
-            req.num_computed_tokens += seq.num_tokens - seq.num_spec + len(accepted)
-            record_prompt_logprobs(req, result.prompt_logprobs.get(seq.request_id))
-            if not seq.sample or seq.request_id in result.beam_candidates:  # beams: see BeamSearch.update
+            req.num_computed_tokens += len(seq.token_ids) - seq.num_spec + len(accepted)
+            if prompt_lps:
+                record_prompt_logprobs(req, prompt_lps.get(seq.request_id))
+            if not seq.sample or (beams and seq.request_id in beams):  # beams: see BeamSearch.update
                 continue
             for tok in accepted:
                 req.append_output(tok)

@@ -101,6 +101,7 @@ class StaticScheduler(Scheduler):
             sample=True,
             sampling_params=req.sampling_params,
             request=req,
+            scatter=0.0,  # one contiguous run of blocks
         )
 
     def _release(self, request: Request) -> None:

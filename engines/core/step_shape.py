@@ -61,7 +61,7 @@ class StepShape:
                     pad_ctx += s.start_pos + 1
                 else:
                     decode_rows += 1
-                    scattered += (s.start_pos + 1) * _scatter(s.block_table)
+                    scattered += (s.start_pos + 1) * (s.scatter if s.scatter is not None else _scatter(s.block_table))
             else:
                 pseqs += 1
                 ptok += n
