@@ -190,3 +190,36 @@ def test_sensitivity_reruns_a_sim_twin_with_slower_steps(tiny_llama_dir, tmp_pat
     slow = slowed_cost_model(cm, 0.05)
     assert slow.scale(1) == pytest.approx(0.945) and slow.scale(4096) == pytest.approx(1.26)
     assert cm.speed_scale == 0.9  # the original is left as it is
+
+
+def test_drift_rescales_only_what_the_probes_before_and_after_agree_on():
+    """A 2-core VM's speed swings within a minute: a class of probe steps is rescaled only when the probes
+    before and after the runs are both off the profile on the same side, and then by the one nearer 1."""
+    from engines.sim.cost_model import step_features
+    from engines.sim.profiler import LARGE_PROBE_TOKENS, PROBE_GRID, grid_batch
+    from workbench.runner import DRIFT_MARGIN, agreed_factor, drift
+
+    assert agreed_factor(0.90, 0.95, 0.92) == 0.95 and agreed_factor(1.20, 1.08, 1.1) == 1.08
+    assert agreed_factor(0.85, 1.05, 0.95) == 1.0  # opposite sides: the machine moved during the runs
+    assert agreed_factor(0.85, 1.0 + DRIFT_MARGIN / 2, 0.9) == 1.0  # one end within the margin
+    assert agreed_factor(None, None, 0.9) == 0.9 and agreed_factor(None, None, 1.0 + DRIFT_MARGIN / 2) == 1.0
+
+    cm = CostModel({"const": 0.01, "tokens": 1e-3})
+    feats = [step_features(grid_batch(s, 16, 8192).seqs) for s in PROBE_GRID]
+    cm.probe_baseline = [{"probe": i, "seconds": 2 * cm.predict_exec(f)} for i, f in enumerate(feats)]
+
+    def run(small, large):  # one real run's probes: decode steps at `small`, prefills at `large` x baseline
+        steps = []
+        for phase, k in (("before", 0), ("after", 1)):
+            for i, f in enumerate(feats):
+                x = small[k] if f["tokens"] < LARGE_PROBE_TOKENS else large[k]
+                steps.append({"probe": i, "features": f, "seconds": x * cm.probe_baseline[i]["seconds"],
+                              "phase": phase})
+        return {"gemm_gflops": 100.0, "steps": steps}
+
+    d = drift(cm, [run((0.9, 0.94), (1.2, 0.8))])  # decodes faster at both ends; prefills disagree
+    assert d["reference"] == "baseline" and d["rescaled"]
+    assert d["scale_small"] == pytest.approx(0.94) and d["scale_large"] == 1.0
+    assert d["before"]["large"] == pytest.approx(1.2) and d["after"]["large"] == pytest.approx(0.8)
+    d = drift(cm, [run((1.0, 1.0), (1.3, 0.7))])
+    assert not d["rescaled"] and d["scale_small"] == d["scale_large"] == 1.0 and not d["beyond_max"]

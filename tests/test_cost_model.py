@@ -124,10 +124,43 @@ def test_probe_ratio_is_the_geometric_mean_of_measured_over_predicted():
 def test_profile_round_trip_keeps_tables_overhead_noise_and_fingerprint(tmp_path):
     cm = _true_model()
     cm.overhead, cm.noise_cv, cm.fingerprint, cm.created = {"const": 1e-4, "per_seq": 0.0}, 0.03, {"model": "m"}, "t"
+    cm.probe_baseline = [{"probe": 0, "seconds": 0.04}, {"probe": 6, "seconds": 0.8}]
     cm.save(tmp_path / "p.json")
     back = CostModel.load(tmp_path / "p.json")
     assert (back.body_table, back.lm_table, back.overhead, back.noise_cv, back.fingerprint, back.created) == (
         cm.body_table, cm.lm_table, cm.overhead, 0.03, {"model": "m"}, "t")
+    assert back.probe_baseline == cm.probe_baseline
+
+
+def test_drift_is_measured_against_the_profiles_own_timing_of_each_probe():
+    """A fit 7% off at one probe step reads as drift against the predictions; against the profile's own timing
+    of the probes (``probe_baseline``) a machine at the profile's speed reads 1.0, and a 10% slower one 1.1."""
+    cm = _true_model()
+    probes = []
+    for i, step in enumerate(PROBE_GRID):
+        f = step_features(grid_batch(step, 16, 8192).seqs)
+        probes.append({"probe": i, "features": f,
+                       "seconds": cm.predict_exec(f) * (0.93 if i == len(PROBE_GRID) - 1 else 1.0)})
+    assert probe_ratio(cm, probes) == pytest.approx(0.93 ** (1 / len(PROBE_GRID)))
+    cm.probe_baseline = [{"probe": p["probe"], "seconds": p["seconds"]} for p in probes]
+    assert probe_ratio(cm, probes) == pytest.approx(1.0)
+    assert probe_ratio(cm, [{**p, "seconds": 1.1 * p["seconds"]} for p in probes]) == pytest.approx(1.1)
+    # a probe the baseline does not have is compared with the prediction
+    assert probe_ratio(cm, [{**probes[-1], "probe": None}]) == pytest.approx(0.93)
+
+
+def test_profile_times_every_probe_step_as_its_baseline(tiny_llama_dir):
+    import torch
+
+    from engines.real.model import LlamaModel
+    from engines.real.model_runner import ModelExecutor
+    from engines.sim.profiler import QUICK_GRID, profile
+
+    ex = ModelExecutor(LlamaModel.from_dir(tiny_llama_dir, torch.float32), 2048, 16)
+    cm = profile(ex, QUICK_GRID, repeats=1)
+    assert [b["probe"] for b in cm.probe_baseline] == list(range(len(PROBE_GRID)))
+    assert all(b["seconds"] > 0 for b in cm.probe_baseline)
+    assert cm.fit_error["n_points"] == len(QUICK_GRID)  # the probes are timed, not fitted
 
 
 def test_drift_has_a_decode_and_a_prefill_factor():

@@ -6,6 +6,7 @@ import dataclasses
 import datetime as dt
 import gc
 import json
+import math
 import os
 import platform
 from importlib import metadata
@@ -177,11 +178,11 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
         if probe and runtime is not None:  # before warm_up: the probe's steps write KV blocks no request holds
             from engines.sim.profiler import gemm_probe, speed_probe
 
-            runtime["probe"] = {"gemm_gflops": gemm_probe(), "steps": speed_probe(engine.executor)}
+            runtime["probe"] = {"gemm_gflops": gemm_probe(), "steps": speed_probe(engine.executor, phase="before")}
         warm_up(engine)
         outs = replay_realtime(engine, requests, on_output, max_concurrency=users)
         if probe and runtime is not None:  # and after it (the engine is done with its KV blocks)
-            runtime["probe"]["steps"] += speed_probe(engine.executor)
+            runtime["probe"]["steps"] += speed_probe(engine.executor, phase="after")
         return outs, engine.steps
     finally:
         del engine
@@ -275,27 +276,53 @@ def twin_of(name: str, policy: str, engines: dict) -> str | None:
     return next((n for n, r in engines.items() if r["kind"] == policy), None)
 
 
+def agreed_factor(before: float | None, after: float | None, overall: float | None) -> float:
+    """The drift factor of one class of probe steps: the machine's speed ratio (measured / profile) that the
+    probes before and after the real runs agree on. Both beyond :data:`DRIFT_MARGIN` on the same side: the
+    one nearer 1 (the machine was at least that much off at both ends of the runs); on opposite sides, or
+    either within the margin: 1 (not rescaled: a 2-core VM's speed swings by 20-30% within a minute, and a
+    few seconds of probes at one end of a run say little about the run). Probes of one phase only (no
+    ``phase``): ``overall`` where it is beyond the margin."""
+    def off(x):
+        return x is not None and abs(x - 1.0) > DRIFT_MARGIN
+
+    if before is None or after is None:
+        return overall if off(overall) else 1.0
+    if off(before) and off(after) and (before > 1.0) == (after > 1.0):
+        return min(before, after, key=lambda x: abs(math.log(x)))
+    return 1.0
+
+
 def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     """``drift`` of a sim engine's profile against machine probes (``source``: the real engine whose runs
     they came before and after, the sim engine's twin when it has one): ``speed_ratio`` = geometric mean of
-    measured / predicted over every probe step of those runs, and the
-    same over the small (decode) and the large (prefill) probe steps apart (``speed_ratio_small``,
-    ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``). When either is off by more than
-    :data:`DRIFT_MARGIN` the profile's predictions are rescaled by them (``rescaled``; ``CostModel.scale``),
-    unless one is beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this
-    machine; it is left as it is and the run says so)."""
-    from engines.sim.profiler import probe_ratios
+    measured / reference (``engines.sim.profiler.probe_reference``: the profile's own timing of the probe
+    step, ``reference: baseline``, else its prediction) over every probe step of those runs, and the same
+    over the small (decode) and the large (prefill) probe steps apart (``speed_ratio_small``,
+    ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``), and each apart for the probes ``before``
+    and ``after`` the runs. The factors applied (``scale_small``, ``scale_large``) are those that the probes
+    before and after agree on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
+    beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is
+    left as it is and the run says so)."""
+    from engines.sim.profiler import probe_reference, probe_ratios
 
-    r = probe_ratios(cm, [p for run in probes for p in run["steps"]])
-    ratio, parts = r["all"], [x for x in (r["small"], r["large"]) if x is not None]
+    steps = [p for run in probes for p in run["steps"]]
+    r = probe_ratios(cm, steps)
+    phases = {ph: probe_ratios(cm, [p for p in steps if p.get("phase") == ph]) for ph in ("before", "after")}
+    scale = {c: agreed_factor(phases["before"][c], phases["after"][c], r[c]) for c in ("small", "large")}
+    parts = [x for x in (r["small"], r["large"]) if x is not None]
     beyond = any(not 1 / DRIFT_MAX <= x <= DRIFT_MAX for x in parts)
-    rescaled = bool(parts) and any(abs(x - 1.0) > DRIFT_MARGIN for x in parts) and not beyond
-    return {"speed_ratio": ratio, "speed_ratio_small": r["small"], "speed_ratio_large": r["large"],
+    rescaled = any(f != 1.0 for f in scale.values()) and not beyond
+    return {"speed_ratio": r["all"], "speed_ratio_small": r["small"], "speed_ratio_large": r["large"],
+            "before": phases["before"], "after": phases["after"],
+            "scale_small": scale["small"] if rescaled else 1.0, "scale_large": scale["large"] if rescaled else 1.0,
+            "reference": "baseline" if cm.probe_baseline else "prediction",
             "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled, "probes_of": source,
             "beyond_max": beyond, "n_probe_runs": len(probes),
             "probes": [{"gemm_gflops": run["gemm_gflops"],
                         "steps": [{"features": {k: v for k, v in p["features"].items() if v and k != "const"},
-                                   "seconds": p["seconds"], "predicted": cm.predict_exec(p["features"])}
+                                   "phase": p.get("phase", ""), "seconds": p["seconds"],
+                                   "reference": probe_reference(cm, p), "predicted": cm.predict_exec(p["features"])}
                                   for p in run["steps"]]} for run in probes]}
 
 
@@ -438,12 +465,11 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
             drifts[spec.name] = drift(cm, probes, source) if probes else None
             d = drifts[spec.name]
             if d and d["rescaled"]:
-                cm.speed_scale = d["speed_ratio_small"] or d["speed_ratio"]
-                cm.speed_scale_large = d["speed_ratio_large"] or d["speed_ratio"]
+                cm.speed_scale, cm.speed_scale_large = d["scale_small"], d["scale_large"]
                 if echo:
-                    echo(f"{spec.name}: this machine runs the probe steps at {cm.speed_scale:.3f}x (decode) and "
-                         f"{cm.speed_scale_large:.3f}x (prefill) the profile's times (margin {DRIFT_MARGIN:.0%}); "
-                         f"predictions rescaled")
+                    echo(f"{spec.name}: the probes before and after the runs agree that this machine runs "
+                         f"{cm.speed_scale:.3f}x (decode) and {cm.speed_scale_large:.3f}x (prefill) the profile's "
+                         f"times (margin {DRIFT_MARGIN:.0%}); predictions rescaled")
         # with step noise the simulator is one draw of a noisy machine too: as many runs as the real engines
         # had, noise seeds seed, seed + 1, ..., so that its means compare with theirs
         noisy = cm is not None and spec.step_noise and cm.noise_cv > 0

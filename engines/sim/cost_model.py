@@ -48,7 +48,7 @@ from engines.core.row_buckets import gemm_rows
 from engines.core.step_shape import StepShape
 
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
-PROFILE_FORMAT = 6  # the measured features, grid and repeats; a profile cached under another format is measured anew
+PROFILE_FORMAT = 7  # the measured features, grid and repeats; a profile cached under another format is measured anew
 # linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
 TABLE_FEATURES = ("rows", "live_ctx", "scattered_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx",
                   "sampled")
@@ -97,6 +97,12 @@ class CostModel:
         speed_scale_large: the drift correction of steps of at least :data:`SCALE_LARGE_TOKENS` tokens
             (None: ``speed_scale`` for every step); between the two sizes the factor is interpolated
             linearly in log(tokens). See :meth:`scale`.
+        probe_baseline: ``[{"probe": i, "seconds": s}, ...]``: the drift probe steps
+            (``engines.sim.profiler.PROBE_GRID[i]``) timed when the profile was measured, the same way a run times
+            them. A run's drift is the probes' time now over this baseline, so that the fit's own error at a
+            probe step (the model at 384 prefill tokens off by 7% on a 2-core AVX2 CPU) is not read as the
+            machine's drift; empty (a hand-written or older profile): drift is measured against the
+            predictions.
     """
 
     coef: dict[str, float]
@@ -111,6 +117,7 @@ class CostModel:
     speed_scale: float = 1.0
     speed_scale_large: float | None = None
     row_buckets: dict[str, str] = field(default_factory=dict)
+    probe_baseline: list[dict] = field(default_factory=list)
 
     def scale(self, tokens: float) -> float:
         """The drift factor of a step of ``tokens`` tokens (see ``speed_scale_large``)."""
@@ -197,7 +204,9 @@ class CostModel:
                        fit_error=d.get("fit_error", {}), body_table=d.get("body_table", []),
                        lm_table=d.get("lm_table", []), overhead=d.get("overhead", {}),
                        noise_cv=float(d.get("noise_cv", 0.0)), fingerprint=d.get("fingerprint", {}),
-                       created=d.get("created", ""), row_buckets=_row_buckets(d.get("row_buckets", {})))
+                       created=d.get("created", ""), row_buckets=_row_buckets(d.get("row_buckets", {})),
+                       probe_baseline=[{"probe": int(b["probe"]), "seconds": float(b["seconds"])}
+                                       for b in d.get("probe_baseline", [])])
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{p}: not a cost-model profile ({e})") from None
 

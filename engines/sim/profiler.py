@@ -278,13 +278,15 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 
     Every ``holdout_every``-th grid step is held out of a first fit and its error reported
     (``fit_error.holdout_*``); the returned model is refitted on every step. ``fit_error`` also has the fit's
-    own errors, ``noise_cv`` the median relative spread of the repeats, ``overhead`` the engine's CPU work.
+    own errors, ``noise_cv`` the median relative spread of the repeats, ``overhead`` the engine's CPU work,
+    ``probe_baseline`` the drift probes (:data:`PROBE_GRID`, timed in the grid's passes but not fitted).
 
     Raises:
         ValueError: the KV pool is too small for the grid.
     """
     grid = list(grid or FULL_GRID)
-    total = len(grid) + 2
+    probes = list(PROBE_GRID)
+    total = len(grid) + len(probes) + 2
     done = 0
 
     def tick():
@@ -294,7 +296,10 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
             progress(done, total)
 
     lm_table = lm_head_table(executor.model, repeats, progress=tick)
-    rows = profile_rows(executor, grid, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS)
+    # the drift probes are timed in the same shuffled passes as the grid, so that their baseline and the fit
+    # see the same phases of the machine; they are not fitted
+    rows = profile_rows(executor, grid + probes, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS)
+    rows, probe_rows = rows[:len(grid)], rows[len(grid):]
     overhead = engine_overhead()
     tick()
     held = [r for i, r in enumerate(rows) if i % holdout_every == holdout_every - 1]
@@ -305,6 +310,7 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     cm = fit_table_model([r[:2] for r in rows], lm_table, row_buckets=buckets)
     fit_errs = [abs(e) for e in relative_errors(cm, rows)]
     cm.overhead = overhead
+    cm.probe_baseline = [{"probe": i, "seconds": t} for i, (_, t, _) in enumerate(probe_rows)]
     cm.noise_cv = statistics.median(r[2] for r in rows)
     cm.fit_error = {"fit_mean_abs_rel": statistics.fmean(fit_errs), "fit_max_abs_rel": max(fit_errs),
                     "holdout_mean_abs_rel": statistics.fmean(held_errs), "holdout_max_abs_rel": max(held_errs),
@@ -323,21 +329,35 @@ PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48,
 LARGE_PROBE_TOKENS = 128  # probe steps of at least this many tokens time the compute-bound regime
 
 
-def speed_probe(executor, repeats: int = 3) -> list[dict]:
+def speed_probe(executor, repeats: int = 3, phase: str = "") -> list[dict]:
     """Time ``PROBE_GRID`` on ``executor`` (``profile_rows``: ``repeats`` shuffled passes, medians):
-    ``[{"features", "seconds"}]``; steps the KV pool cannot hold are left out. Writes the pool's KV blocks: run
-    it when no request holds any."""
+    ``[{"probe": index in PROBE_GRID, "features", "seconds", "phase": phase}]``; steps the KV pool cannot hold
+    are left out. Writes the pool's KV blocks: run it when no request holds any."""
     bs, nb = executor.kv.block_size, executor.kv.num_blocks
-    grid = [s for s in PROBE_GRID if -(-s.kv_tokens // bs) + len(s.prefills) + s.decode_rows <= nb]
-    return [{"features": f, "seconds": t} for f, t, _ in profile_rows(executor, grid, repeats)] if grid else []
+    idx = [i for i, s in enumerate(PROBE_GRID) if -(-s.kv_tokens // bs) + len(s.prefills) + s.decode_rows <= nb]
+    if not idx:
+        return []
+    rows = profile_rows(executor, [PROBE_GRID[i] for i in idx], repeats)
+    return [{"probe": i, "features": f, "seconds": t, "phase": phase} for i, (f, t, _) in zip(idx, rows)]
+
+
+def probe_reference(cost_model: CostModel, probe: dict) -> float:
+    """The seconds a probe step took when ``cost_model`` was measured (its ``probe_baseline``), else the
+    model's prediction of its executor time (a profile without a baseline, or a probe it lacks)."""
+    i = probe.get("probe")
+    for b in cost_model.probe_baseline:
+        if i is not None and b["probe"] == i:
+            return b["seconds"]
+    return cost_model.predict_exec(probe["features"])
 
 
 def probe_ratio(cost_model: CostModel, probes: list[dict]) -> float | None:
-    """Geometric mean over probe steps of measured / predicted executor seconds (None without probes)."""
+    """Geometric mean over probe steps of measured / reference executor seconds (:func:`probe_reference`: the
+    profile's own timing of the same probe, else its prediction); None without probes."""
     import math
 
-    logs = [math.log(p["seconds"] / cost_model.predict_exec(p["features"])) for p in probes
-            if p["seconds"] > 0 and cost_model.predict_exec(p["features"]) > 0]
+    pairs = [(p["seconds"], probe_reference(cost_model, p)) for p in probes]
+    logs = [math.log(t / ref) for t, ref in pairs if t > 0 and ref > 0]
     return math.exp(sum(logs) / len(logs)) if logs else None
 
 

@@ -80,14 +80,22 @@ def print_summary(name: str, results: dict) -> None:
             print(f"sim {n} {summary_line(err)}")
         d = e.get("drift")
         if d and d.get("speed_ratio") is not None:
-            how = ("rescaled" if d["rescaled"] else
+            how = (f"rescaled by {d.get('scale_small', 1.0):.3f}x decode, {d.get('scale_large', 1.0):.3f}x prefill"
+                   if d["rescaled"] else
                    f"not rescaled: beyond {d['max']:g}x, the profile does not describe this machine"
-                   if d.get("beyond_max") else f"within {d['margin']:.0%}: not rescaled")
+                   if d.get("beyond_max") else
+                   f"not rescaled: before and after do not agree beyond {d['margin']:.0%}")
             parts = ""
             small, large = d.get("speed_ratio_small"), d.get("speed_ratio_large")
             if small is not None and large is not None:
-                parts = f" (decode probes {small:.3f}x, prefill probes {large:.3f}x)"
-            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x the profile's times{parts} ({how})")
+                parts = f" (decode probes {small:.3f}x, prefill probes {large:.3f}x"
+                b, a = d.get("before") or {}, d.get("after") or {}
+                if b.get("all") is not None and a.get("all") is not None:
+                    parts += (f"; before the runs {b['small']:.3f}x / {b['large']:.3f}x, "
+                              f"after {a['small']:.3f}x / {a['large']:.3f}x")
+                parts += ")"
+            ref = "its own timing of them" if d.get("reference") == "baseline" else "its predictions"
+            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x {ref}{parts} ({how})")
     errs = [abs(v) for e in results["engines"].values() for v in
             [((e["summary"].get("sim_error") or {}).get("dist") or {}).get("output_throughput")] if v is not None]
     if any(v > SIM_ERROR_NOTE for v in errs):
