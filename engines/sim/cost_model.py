@@ -100,8 +100,8 @@ class CostModel:
         probe_baseline: ``[{"probe": i, "seconds": s}, ...]``: the drift probe steps
             (``engines.sim.profiler.PROBE_GRID[i]``) timed when the profile was measured, the same way a run times
             them. A run's drift is the probes' time now over this baseline, so that the fit's own error at a
-            probe step (the model at 384 prefill tokens off by 7% on a 2-core AVX2 CPU) is not read as the
-            machine's drift; empty (a hand-written or older profile): drift is measured against the
+            probe step (the 384-token probe read 0.93x the prediction before and after a replay on a 2-core
+            AVX2 CPU, whose own big steps ran at 0.99-1.01x it) is not read as the machine's drift; empty (a hand-written or older profile): drift is measured against the
             predictions.
     """
 
