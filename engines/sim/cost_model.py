@@ -101,8 +101,8 @@ class CostModel:
             (``engines.sim.profiler.PROBE_GRID[i]``) timed when the profile was measured, the same way a run times
             them. A run's drift is the probes' time now over this baseline, so that the fit's own error at a
             probe step (the 384-token probe read 0.93x the prediction before and after a replay on a 2-core
-            AVX2 CPU, whose own big steps ran at 0.99-1.01x it) is not read as the machine's drift; empty (a hand-written or older profile): drift is measured against the
-            predictions.
+            AVX2 CPU, whose own big steps ran at 0.99-1.01x it) is not read as the machine's drift; empty (a
+            hand-written or older profile): drift is measured against the predictions.
     """
 
     coef: dict[str, float]

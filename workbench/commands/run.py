@@ -90,9 +90,13 @@ def print_summary(name: str, results: dict) -> None:
             if small is not None and large is not None:
                 parts = f" (decode probes {small:.3f}x, prefill probes {large:.3f}x"
                 b, a = d.get("before") or {}, d.get("after") or {}
+
+                def x(v):
+                    return "n/a" if v is None else f"{v:.3f}x"
+
                 if b.get("all") is not None and a.get("all") is not None:
-                    parts += (f"; before the runs {b['small']:.3f}x / {b['large']:.3f}x, "
-                              f"after {a['small']:.3f}x / {a['large']:.3f}x")
+                    parts += (f"; before the runs {x(b['small'])} / {x(b['large'])}, "
+                              f"after {x(a['small'])} / {x(a['large'])}")
                 parts += ")"
             ref = "its own timing of them" if d.get("reference") == "baseline" else "its predictions"
             print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x {ref}{parts} ({how})")
