@@ -208,7 +208,7 @@ def test_drift_rescales_only_what_the_probes_before_and_after_agree_on():
     feats = [step_features(grid_batch(s, 16, 8192).seqs) for s in PROBE_GRID]
     cm.probe_baseline = [{"probe": i, "seconds": 2 * cm.predict_exec(f)} for i, f in enumerate(feats)]
 
-    def run(small, large):  # one real run's probes: decode steps at `small`, prefills at `large` x baseline
+    def run(small, large):  # one real run's probes: (before, after) factors x baseline of decodes and prefills
         steps = []
         for phase, k in (("before", 0), ("after", 1)):
             for i, f in enumerate(feats):
