@@ -71,16 +71,18 @@ def main() -> None:
 
         prof = cProfile.Profile()
         prof.enable()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     outs = simulate(engine, reqs)
-    t_sim = time.perf_counter() - t1
+    t_sim, c_sim = time.perf_counter() - t1, time.process_time() - c1
     if prof is not None:
         prof.disable()
         prof.dump_stats(a.profile_out)
     s = summarize(outs, engine.steps, len(trace))
     print(json.dumps({"requests": len(trace), "prefix_caching": a.prefix_caching, "steps": len(engine.steps),
                       "load_s": round(t_load, 2), "simulate_s": round(t_sim, 2),
+                      "simulate_cpu_s": round(c_sim, 2),
                       "us_per_step": round(1e6 * t_sim / max(len(engine.steps), 1), 1),
+                      "rows_per_step": round(sum(r.num_seqs for r in engine.steps) / max(len(engine.steps), 1), 1),
                       "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                       "simulated_duration_s": round(s["duration_s"], 1), "finished": s["num_finished"],
                       "rejected": s["num_rejected"], "output_throughput": round(s["output_throughput"], 1),

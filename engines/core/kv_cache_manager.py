@@ -318,6 +318,27 @@ class PagedKVCacheManager:
         return list(zip(cpu, blocks))
 
     # -- accounting --------------------------------------------------------------------------
+    def _unshared_states(self, requests: list[Request], scheduled: dict[str, int]) -> tuple[int, int]:
+        """``(token_states, reserved)`` slots of ``requests`` when no block is shared (see :meth:`stats`): per
+        request, states = computed + scheduled tokens (at most its slots) and reserved = its slots up to
+        ``max_total_tokens`` (at least the states) minus the states. One pass, run every step."""
+        bs, tables, sched = self.block_size, self.block_tables, scheduled.get
+        states = reserved = 0
+        for r in requests:
+            table = tables.get(r.request_id)
+            if not table:
+                continue
+            held = len(table) * bs
+            s = r.num_computed_tokens + sched(r.request_id, 0)
+            if s > held:
+                s = held
+            want = len(r.prompt_token_ids) + r.sampling_params.max_tokens  # Request.max_total_tokens
+            if want < s:
+                want = s
+            states += s
+            reserved += (held if held < want else want) - s
+        return states, reserved
+
     def stats(self, requests: list[Request], scheduled: dict[str, int] | None = None) -> KVStats:
         """Slot accounting for the requests that hold blocks (see module docstring).
 
@@ -329,6 +350,9 @@ class PagedKVCacheManager:
         scheduled = scheduled or {}
         bs = self.block_size
         allocated = self.pool.num_used_blocks * bs
+        if not self.pool.num_shared_blocks:
+            states, reserved = self._unshared_states(requests, scheduled)
+            return KVStats(self.pool.num_blocks * bs, allocated, states, reserved, allocated - states - reserved, 0)
         states = reserved = 0
         shared: dict[int, tuple[int, int]] = {}  # shared block -> (states, states + reserved)
         for r in requests:

@@ -204,7 +204,7 @@ class LLMEngine:
                 req.token_times.extend([now] * new)
             if req.first_token_time is None:
                 req.first_token_time = now
-            det = self._detok.get(rid)
+            det = self._detok.get(rid) if self._detok else None
             if det is None and req.parent_id is not None and req.sampling_params.stop and self.tokenizer is not None:
                 det = self._detok[rid] = IncrementalDetokenizer.for_request(self.tokenizer, req)  # a forked child
             if det is None or req.status == RequestStatus.FINISHED_STOPPED:

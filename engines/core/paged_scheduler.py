@@ -55,6 +55,7 @@ class PagedScheduler(Scheduler):
                          if spec is not None and spec.proposes_in_scheduler else None)
         self.swapped: deque[Request] = deque()
         self.beam_search = BeamSearch()
+        self._multi_seq = False  # a request asking for several sequences was ever added (see _num_running_seqs)
 
     def validate(self, request: Request) -> str | None:
         reason = super().validate(request)
@@ -84,6 +85,19 @@ class PagedScheduler(Scheduler):
         sp = req.sampling_params
         return sp.beam_width if sp.use_beam_search else sp.num_seqs
 
+    def _num_running_seqs(self) -> int:
+        """Sequences in ``running`` (``num_seqs`` summed): ``len(running)`` when no request ever added asked
+        for several sequences (no forks then), else summed over every running request."""
+        if not self._multi_seq:
+            return len(self.running)
+        return sum(map(self.num_seqs, self.running))
+
+    def add_request(self, request: Request) -> bool:
+        """As ``Scheduler.add_request``; notes a request that will fork (parallel sampling, beam search)."""
+        if self.num_seqs(request) > 1:
+            self._multi_seq = True
+        return super().add_request(request)
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Tokens to compute for ``req`` this step (0 = it must wait): the rest of its tokens, capped by
         ``long_prefill_token_threshold`` and the budget; without chunked prefill all or nothing."""
@@ -108,7 +122,7 @@ class PagedScheduler(Scheduler):
             if n == 0:
                 idx += 1
                 continue
-            drafts = self._drafts(req, n, budget)
+            drafts = self._drafts(req, n, budget) if self.spec is not None else None
             if drafts and self.kv.allocate_slots(req, n + len(drafts)):
                 seqs.append(self._seq(req, n, drafts))
                 budget -= n + len(drafts)
@@ -123,8 +137,7 @@ class PagedScheduler(Scheduler):
         # Swap in, then admit waiting requests, only when nothing was preempted in this step (as vLLM does).
         # A request is let in only when all the sequences it will fork into fit under max_num_seqs.
         max_seqs = self.config.max_num_seqs
-        # (summed only when something could be admitted: it walks every running request)
-        num_seqs = sum(map(self.num_seqs, self.running)) if not preempted and (self.swapped or self.waiting) else 0
+        num_seqs = self._num_running_seqs() if not preempted and (self.swapped or self.waiting) else 0
         while not preempted and self.swapped and budget > 0 and num_seqs + self.num_seqs(self.swapped[0]) <= max_seqs:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
@@ -223,17 +236,20 @@ class PagedScheduler(Scheduler):
         return super().finish_request(request_id, status, stop_reason)
 
     def _seq(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
-        start = req.num_computed_tokens
+        start, end, rid, kv = req.num_computed_tokens, req.num_computed_tokens + n, req.request_id, self.kv
+        token_ids = req.all_token_ids[start:end]
+        if drafts:
+            token_ids += drafts
         seq = ScheduledSeq(
-            request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n] + drafts if drafts else req.all_token_ids[start : start + n],
+            request_id=rid,
+            token_ids=token_ids,
             start_pos=start,
-            block_table=self.kv.block_table(req.request_id),
-            scatter=self.kv.scatter(req.request_id),
-            sample=start + n == req.num_tokens_total,
+            block_table=kv.block_table(rid),
+            scatter=kv.scatter(rid),
+            sample=end == req.num_tokens_total,
             sampling_params=req.sampling_params,
             request=req,
-            num_spec=len(drafts or ()),
+            num_spec=len(drafts) if drafts else 0,
             drafts_pending=bool(drafts) and self.proposer is None,
         )
         if seq.sample and not req.output_token_ids and req.fork_ids:

@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
+_UNFINISHED = (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)  # members compare by identity
+
+
 @dataclass(eq=False)  # identity semantics: queue membership tests must not compare fields
 class Request:
     """One generation request.
@@ -127,4 +130,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status not in _UNFINISHED

@@ -16,6 +16,7 @@ iteration-level batching over contiguous reservations).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -28,9 +29,9 @@ from engines.core.spec_decode import SpecDecodeStats
 from engines.core.step_shape import StepShape
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of a step.
+    """One request's share of a step (slotted: the simulator builds one per running request per step).
 
     Attributes:
         request_id: the request.
@@ -56,9 +57,10 @@ class ScheduledSeq:
     # executor's draft model fills them in before the forward pass (the scheduler reserved their slots)
     num_spec: int = 0
     drafts_pending: bool = False
-    # parallel sampling: child sequences to sample from this row's logits too (and their params)
-    fork_ids: list[str] = field(default_factory=list)
-    fork_params: list[SamplingParams] = field(default_factory=list)
+    # parallel sampling: child sequences to sample from this row's logits too (and their params); the
+    # shared empty tuple when there are none (never mutated: a forking row is given its own lists)
+    fork_ids: Sequence[str] = ()
+    fork_params: Sequence[SamplingParams] = ()
     # the request itself (None for synthetic rows, e.g. the profiler's): logits processors read its tokens
     # so far (penalties, min_tokens) and prompt log-probabilities its prompt
     request: Request | None = field(default=None, repr=False, compare=False)
@@ -241,7 +243,7 @@ class Scheduler:
             else:
                 tok = result.sampled[seq.request_id]
                 req.append_output(tok)
-                lp = result.token_logprobs.get(seq.request_id)
+                lp = result.token_logprobs.get(seq.request_id) if result.token_logprobs else None
                 if lp is not None:
                     req.output_logprobs.append(lp)
                 self._finish_if_done(req, tok, finished)
@@ -252,11 +254,11 @@ class Scheduler:
         ``ignore_eos``) or one of ``stop_token_ids``, or it has reached ``max_tokens``. Before
         ``min_tokens`` outputs neither can be sampled (the sampler masks them). Returns whether it finished."""
         sp = req.sampling_params
-        if (not sp.ignore_eos and tok in req.eos_token_ids) or tok in sp.stop_token_ids:
+        if (tok in req.eos_token_ids and not sp.ignore_eos) or (sp.stop_token_ids and tok in sp.stop_token_ids):
             self.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=tok)
             finished.append(req)
             return True
-        if req.num_output_tokens >= req.sampling_params.max_tokens:
+        if len(req.output_token_ids) >= sp.max_tokens:
             self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
             finished.append(req)
             return True

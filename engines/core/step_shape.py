@@ -52,9 +52,9 @@ class StepShape:
         tokens = decode_rows = padding = decode_ctx = pseqs = ptok = pattn = pctx = sampled = pad_ctx = 0
         scattered = 0.0
         for s in seqs:
-            n = s.num_tokens
+            n = len(s.token_ids)
             tokens += n
-            if s.is_decode:
+            if s.is_padding or (n == 1 and s.start_pos > 0):  # ScheduledSeq.is_decode, inlined: once per row
                 decode_ctx += s.start_pos + 1
                 if s.is_padding:
                     padding += 1

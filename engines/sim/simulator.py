@@ -90,7 +90,8 @@ class CostModelExecutor:
                                                            PLACEHOLDER_TOKEN)
                 continue
             sampled[s.request_id] = PLACEHOLDER_TOKEN
-            sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
+            if s.fork_ids:
+                sampled.update((cid, PLACEHOLDER_TOKEN) for cid in s.fork_ids)
         return StepResult(sampled, dt, swap_time, beam_candidates=beams)
 
     def release(self, request_id: str) -> None:
