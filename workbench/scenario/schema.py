@@ -110,6 +110,11 @@ class TraceSpec(SpecModel):
             and line instead of a counted note.
         load: offered load relative to an engine's measured capacity (:class:`LoadSpec`); sets the
             arrival rate, so it excludes ``request_rate`` and ``time_scale``.
+        repeat: replay the (cut) trace this many times back to back, copy k shifted by k x (its duration
+            plus its mean gap), with new request ids; gaps and lengths inside a copy are the recorded ones
+            (see ``workbench.traces.day``).
+        duration_s: instead of the recorded requests, a stationary trace of this many seconds synthesized
+            from the trace's mean rate, gap CV and joint lengths (seeded by ``seed``); excludes ``repeat``.
     """
 
     format: TraceFormat
@@ -131,9 +136,15 @@ class TraceSpec(SpecModel):
     synthetic: SyntheticSpec | None = None
     strict: bool = False
     load: LoadSpec | None = None
+    repeat: int | None = Field(None, ge=1, le=1_000_000)
+    duration_s: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> "TraceSpec":
+        if self.repeat is not None and self.duration_s is not None:
+            raise ValueError("repeat and duration_s both make a day from the trace: set one of them")
+        if self.duration_s is not None and self.format == "synthetic":
+            raise ValueError("duration_s is not for format synthetic (set synthetic.num_requests and request_rate)")
         if self.load is not None:
             for name in ("request_rate", "time_scale"):
                 if getattr(self, name) is not None:
