@@ -65,11 +65,12 @@ def test_iter_trace_errors_are_one_line(tmp_path):
         list(iter_trace("azure", p, strict=True))
 
 
-def test_repeat_shifts_times_makes_ids_unique_and_counts_add_up(tmp_path):
+@pytest.mark.parametrize("reread", [False, True])
+def test_repeat_shifts_times_makes_ids_unique_and_counts_add_up(tmp_path, reread):
     p = write(tmp_path, "a.csv", AZURE)
     one = load_trace("azure", p)  # arrivals 0, 0.75, 1, 3, 6 s: span = 6 + mean gap 1.5 = 7.5 s
     st = LoadStats()
-    day = list(repeat_stream(lambda s: iter_trace("azure", p, stats=s), 3, st))
+    day = list(repeat_stream(lambda s: iter_trace("azure", p, stats=s), 3, st, reread))
     assert len(day) == 15 and len({r.request_id for r in day}) == 15
     assert [r.arrival_s for r in day[5:10]] == pytest.approx([r.arrival_s + 7.5 for r in one])
     assert [r.arrival_s for r in day[10:]] == pytest.approx([r.arrival_s + 15.0 for r in one])
@@ -156,3 +157,5 @@ def test_inspect_json_reports_cost_and_the_day(tmp_path):
     assert day["cost"]["day_duration_s"] == 30.0
     text = CliRunner().invoke(app, ["trace", "inspect", str(p), "--repeat", "2"]).output
     assert "read (stream) in" in text and "rows/s; peak RSS" in text
+    reread = json.loads(CliRunner().invoke(app, ["trace", "inspect", str(p), "--json", "--repeat", "2", "--reread"]).output)
+    assert reread["cost"]["reread"] is True and reread["load"] == s["load"] and reread["count"] == s["count"]

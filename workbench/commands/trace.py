@@ -92,7 +92,7 @@ class Loaded:
 
 
 def _load_stream(path: str, fmt: str, kwargs: dict, repeat: int | None, duration_s: float | None,
-                 seed: int) -> Loaded:
+                 seed: int, reread: bool = False) -> Loaded:
     """Stream the trace (repeated or as a synthesized day) keeping only arrivals and lengths (24 bytes a request)."""
     from workbench.traces import LoadStats, iter_trace, repeat_stream, synthesize_day, trace_stats_arrays
 
@@ -100,7 +100,7 @@ def _load_stream(path: str, fmt: str, kwargs: dict, repeat: int | None, duration
     if duration_s is not None:
         reqs = synthesize_day(list(iter_trace(fmt, path, stats=load, **kwargs)), duration_s, seed)
     elif repeat is not None:
-        reqs = repeat_stream(lambda st: iter_trace(fmt, path, stats=st, **kwargs), repeat, load)
+        reqs = repeat_stream(lambda st: iter_trace(fmt, path, stats=st, **kwargs), repeat, load, reread)
     else:
         reqs = iter_trace(fmt, path, stats=load, **kwargs)
     t, p, o = array("d"), array("q"), array("q")
@@ -116,7 +116,7 @@ def _load_stream(path: str, fmt: str, kwargs: dict, repeat: int | None, duration
 
 
 def _load_whole(path: str, fmt: str, kwargs: dict, repeat: int | None, duration_s: float | None,
-                seed: int) -> Loaded:
+                seed: int, reread: bool = False) -> Loaded:
     """Load every request (``load_trace``), then repeat or synthesize the day (``apply_transforms``)."""
     from workbench.traces import LoadStats, apply_transforms, load_trace, trace_stats
 
@@ -128,7 +128,8 @@ def _load_whole(path: str, fmt: str, kwargs: dict, repeat: int | None, duration_
 
 
 def inspect(path: str, fmt: str | None = None, as_json: bool = False, strict: bool = False,
-            repeat: int | None = None, duration_s: float | None = None, seed: int = 0, whole: bool = False) -> None:
+            repeat: int | None = None, duration_s: float | None = None, seed: int = 0, whole: bool = False,
+            reread: bool = False) -> None:
     """Print the trace's statistics (``workbench.traces.trace_stats``), its load notes
     (``workbench.traces.LoadStats``) and what reading it cost, as text or JSON.
 
@@ -151,6 +152,8 @@ def inspect(path: str, fmt: str | None = None, as_json: bool = False, strict: bo
         seed: seeds the synthesized day.
         whole: load every request (``load_trace``) instead of streaming (formats that cannot stream are
             always loaded whole).
+        reread: with ``repeat`` and streaming, parse the file once per copy instead of keeping the first
+            copy's requests to replay (memory independent of the file's length; ``repeat`` x the time).
 
     Raises:
         TraceError: the file is unreadable or a row is bad (or, under ``strict``, suspect); a bad
@@ -169,14 +172,14 @@ def inspect(path: str, fmt: str | None = None, as_json: bool = False, strict: bo
         kwargs["token_ids"] = False
     rss0, t0 = rss_bytes(), time.perf_counter()
     streamed = not whole and fmt in STREAMED_FORMATS
-    got = (_load_stream if streamed else _load_whole)(path, fmt, kwargs, repeat, duration_s, seed)
+    got = (_load_stream if streamed else _load_whole)(path, fmt, kwargs, repeat, duration_s, seed, reread)
     elapsed = time.perf_counter() - t0
     st, load = got.stats, got.load
     st["format"] = fmt
     st["load"] = load.to_dict()
     st["cost"] = {"mode": got.mode, "load_s": elapsed, "rows_per_s": load.rows_read / elapsed if elapsed > 0 else None,
                   "requests_per_s": st["count"] / elapsed if elapsed > 0 else None, "rss_before_bytes": rss0,
-                  "peak_rss_bytes": peak_rss_bytes(), "repeat": repeat, "day_duration_s": duration_s}
+                  "peak_rss_bytes": peak_rss_bytes(), "repeat": repeat, "reread": reread, "day_duration_s": duration_s}
     if as_json:
         print(json.dumps(st, indent=2))
         return
@@ -200,5 +203,6 @@ def _print_text(path: str, fmt: str, st: dict, load: Any) -> None:
         print(f"  note: {note}")
     c = st["cost"]
     rate = f", {c['rows_per_s']:,.0f} rows/s" if c["rows_per_s"] else ""
-    print(f"  read ({c['mode']}) in {c['load_s']:.2f} s{rate}; peak RSS {c['peak_rss_bytes'] / 2**20:.1f} MiB "
+    mode = c["mode"] + (", file parsed once per copy" if c["reread"] and c["repeat"] else "")
+    print(f"  read ({mode}) in {c['load_s']:.2f} s{rate}; peak RSS {c['peak_rss_bytes'] / 2**20:.1f} MiB "
           f"({c['rss_before_bytes'] / 2**20:.1f} MiB before reading)")

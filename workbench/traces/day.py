@@ -18,6 +18,7 @@ What each keeps of the source trace:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -67,27 +68,36 @@ def _copy(r: TraceRequest, k: int, shift_s: float) -> TraceRequest:
 
 
 def repeat_stream(make: Callable[[LoadStats], Iterable[TraceRequest]], copies: int,
-                  stats: LoadStats | None = None) -> Iterator[TraceRequest]:
+                  stats: LoadStats | None = None, reread: bool = False) -> Iterator[TraceRequest]:
     """``copies`` back-to-back copies of a trace, streamed: ``make(stats)`` yields the trace once (arrivals
-    from 0, in order; e.g. ``lambda st: iter_trace("azure", path, stats=st)``) and is called once per copy,
-    so memory does not grow with ``copies``. Copy k (from 0) arrives k x :func:`repeat_span` later and its
-    ids end in ``+r<k>`` (copy 0 keeps the source ids). ``stats`` gets copy 0's counts, then each further
-    copy's added (:meth:`LoadStats.add_copy`). See the module docstring for what is kept.
+    from 0, in order; e.g. ``lambda st: iter_trace("azure", path, stats=st)``). Copy k (from 0) arrives
+    k x :func:`repeat_span` later and its ids end in ``+r<k>`` (copy 0 keeps the source ids). ``stats``
+    gets copy 0's counts, then each further copy's added (:meth:`LoadStats.add_copy`), as if the file was
+    read ``copies`` times. See the module docstring for what is kept.
+
+    Memory: by default copy 0's requests are kept to replay the later copies (memory of one copy, the
+    source; time of reading it once). ``reread`` calls ``make`` again for every copy instead: memory does
+    not grow with the source either, and the file is parsed ``copies`` times.
 
     Raises:
-        TraceError: a bad ``copies``; a copy with another number of requests than the first (the source
-            changed while being read); any error of ``make``.
+        TraceError: a bad ``copies``; (``reread``) a copy with another number of requests than the first (the
+            source changed while being read); any error of ``make``.
     """
     check_copies(copies)
     st = stats if stats is not None else LoadStats()
+    kept: list[TraceRequest] | None = None if reread or copies == 1 else []
     n, last = 0, 0.0
     for r in make(st):
         n, last = n + 1, r.arrival_s
+        if kept is not None:
+            kept.append(r)
         yield r
     span = repeat_span(n, last)
+    once = copy.deepcopy(st)
     for k in range(1, copies):
-        sub, m = LoadStats(), 0
-        for r in make(sub):
+        sub = once if kept is not None else LoadStats()
+        m = 0
+        for r in (kept if kept is not None else make(sub)):
             m += 1
             yield _copy(r, k, k * span)
         if m != n:
