@@ -159,3 +159,18 @@ def test_inspect_json_reports_cost_and_the_day(tmp_path):
     assert "read (stream) in" in text and "rows/s; peak RSS" in text
     reread = json.loads(CliRunner().invoke(app, ["trace", "inspect", str(p), "--json", "--repeat", "2", "--reread"]).output)
     assert reread["cost"]["reread"] is True and reread["load"] == s["load"] and reread["count"] == s["count"]
+
+
+def test_synthesized_prompt_ids_share_one_int_per_value():
+    from workbench.traces import mooncake_prompt_ids, synthesize_prompt_ids
+
+    a, b = synthesize_prompt_ids(3000, 0, 1), synthesize_prompt_ids(3000, 0, 2)
+    rng = np.random.default_rng([0, 1, 0x5E17])
+    assert a == rng.integers(100, 49000, size=3000, dtype=np.int64).tolist()  # the same ids as before interning
+    common = set(a) & set(b)
+    first = {x: x for x in a}
+    assert len(common) > 20 and all(y is first[y] for y in b if y in common)
+    m = mooncake_prompt_ids([7, 8], 600, seed=0)
+    assert len(m) == 600 and all(type(x) is int for x in m) and m[:512] == mooncake_prompt_ids([7], 512, seed=0)
+    assert synthesize_prompt_ids(5, 0, 1, vocab_lo=0, vocab_hi=1 << 40) == \
+        np.random.default_rng([0, 1, 0x5E17]).integers(0, 1 << 40, size=5, dtype=np.int64).tolist()
