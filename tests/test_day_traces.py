@@ -91,19 +91,27 @@ def test_bad_day_knobs_are_one_line_errors_naming_the_field(tmp_path):
             "engines": [{"name": "s", "kind": "sim"}]}
     for trace, field in (({"repeat": 0}, "trace.repeat"), ({"repeat": 1.5}, "trace.repeat"),
                          ({"duration_s": -1}, "trace.duration_s"), ({"duration_s": float("inf")}, "trace.duration_s"),
-                         ({"repeat": 2, "duration_s": 60}, "repeat and duration_s")):
+                         ({"repeat": 2, "duration_s": 60}, "repeat and duration_s"),
+                         ({"duration_s": 60, "rate_profile": [1, -1]}, "trace.rate_profile.1"),
+                         ({"duration_s": 60, "rate_profile": [0, 0]}, "rate_profile: at least one"),
+                         ({"rate_profile": [1, 2]}, "rate_profile shapes a synthesized day")):
         with pytest.raises(ScenarioError, match=field) as e:
             validate_scenario({**base, "trace": {**base["trace"], **trace}})
         assert "\n" not in str(e.value)
     reqs = load_trace("azure", write(tmp_path, "a.csv", AZURE))
     for kw, msg in (({"repeat": 0}, "repeat must be an integer"), ({"duration_s": 0}, "duration_s must be a finite"),
-                    ({"duration_s": 10, "repeat": 2}, "set one of them")):
+                    ({"duration_s": 10, "repeat": 2}, "set one of them"),
+                    ({"duration_s": 10, "rate_profile": [1, float("nan")]}, "rate_profile must be a list"),
+                    ({"rate_profile": [1]}, "it needs duration_s")):
         with pytest.raises(TraceError, match=msg):
             apply_transforms(reqs, **kw)
     with pytest.raises(TraceError, match="at least 3 requests at different times"):
         list(synthesize_day(reqs[:2], 60.0))
-    r = CliRunner().invoke(app, ["trace", "inspect", str(tmp_path / "a.csv"), "--repeat", "0"])
-    assert r.exit_code == 2 and "repeat must be an integer" in r.output and "Traceback" not in r.output
+    for args, msg in ((["--repeat", "0"], "repeat must be an integer"),
+                      (["--duration-s", "60", "--rate-profile", "1,x"], "--rate-profile must be comma-separated"),
+                      (["--rate-profile", "1,2"], "it needs --duration-s")):
+        r = CliRunner().invoke(app, ["trace", "inspect", str(tmp_path / "a.csv"), *args])
+        assert r.exit_code == 2 and msg in r.output and "Traceback" not in r.output
 
 
 def test_scenario_repeat_reaches_the_trace():
@@ -131,6 +139,18 @@ def test_synthesized_day_is_reproducible_and_keeps_the_source_statistics():
         assert d[k]["max"] <= s[k]["max"]
     pairs = {(r.prompt_tokens, r.output_tokens) for r in src}
     assert all((r.prompt_tokens, r.output_tokens) in pairs for r in a[:1000])  # whole requests drawn
+
+
+def test_rate_profile_shapes_the_day_and_keeps_its_mean_rate():
+    src = load_synthetic(500, request_rate=1.0, seed=4)
+    flat = list(synthesize_day(src, 40000.0, seed=1))
+    shaped = list(synthesize_day(src, 40000.0, seed=1, rate_profile=[1, 3, 0, 4]))  # mean 2: x0.5, 1.5, 0, 2
+    t = np.array([r.arrival_s for r in shaped])
+    per_slice = np.histogram(t, bins=4, range=(0, 40000))[0]
+    expect = np.array([0.5, 1.5, 0.0, 2.0]) * trace_stats(src)["rate"] * 10000
+    assert per_slice[2] == 0 and np.all(np.abs(per_slice - expect) <= 0.06 * expect + 1)
+    assert len(shaped) == pytest.approx(len(flat), rel=0.01) and np.all(np.diff(t) >= 0)
+    assert [(r.prompt_tokens, r.output_tokens) for r in shaped] == [(r.prompt_tokens, r.output_tokens) for r in flat]
 
 
 def test_inspect_json_reports_cost_and_the_day(tmp_path):

@@ -92,13 +92,13 @@ class Loaded:
 
 
 def _load_stream(path: str, fmt: str, kwargs: dict, repeat: int | None, duration_s: float | None,
-                 seed: int, reread: bool = False) -> Loaded:
+                 seed: int, reread: bool = False, rate_profile: list[float] | None = None) -> Loaded:
     """Stream the trace (repeated or as a synthesized day) keeping only arrivals and lengths (24 bytes a request)."""
     from workbench.traces import LoadStats, iter_trace, repeat_stream, synthesize_day, trace_stats_arrays
 
     load = LoadStats()
     if duration_s is not None:
-        reqs = synthesize_day(list(iter_trace(fmt, path, stats=load, **kwargs)), duration_s, seed)
+        reqs = synthesize_day(list(iter_trace(fmt, path, stats=load, **kwargs)), duration_s, seed, rate_profile)
     elif repeat is not None:
         reqs = repeat_stream(lambda st: iter_trace(fmt, path, stats=st, **kwargs), repeat, load, reread)
     else:
@@ -116,20 +116,42 @@ def _load_stream(path: str, fmt: str, kwargs: dict, repeat: int | None, duration
 
 
 def _load_whole(path: str, fmt: str, kwargs: dict, repeat: int | None, duration_s: float | None,
-                seed: int, reread: bool = False) -> Loaded:
+                seed: int, reread: bool = False, rate_profile: list[float] | None = None) -> Loaded:
     """Load every request (``load_trace``), then repeat or synthesize the day (``apply_transforms``)."""
     from workbench.traces import LoadStats, apply_transforms, load_trace, trace_stats
 
     load = LoadStats()
     reqs = load_trace(fmt, path, stats=load, **kwargs)
     if repeat is not None or duration_s is not None:
-        reqs = apply_transforms(reqs, seed=seed, stats=load, repeat=repeat, duration_s=duration_s)
+        reqs = apply_transforms(reqs, seed=seed, stats=load, repeat=repeat, duration_s=duration_s,
+                                rate_profile=rate_profile)
     return Loaded(trace_stats(reqs), load, "whole")
+
+
+def parse_profile(text: str | None, duration_s: float | None) -> list[float] | None:
+    """``--rate-profile 1,0.5,2`` as a list of relative rates (None when not given).
+
+    Raises:
+        TraceError: not numbers >= 0 with a positive sum, or given without ``--duration-s``.
+    """
+    from workbench.traces import TraceError
+    from workbench.traces.day import check_profile
+
+    if text is None:
+        return None
+    if duration_s is None:
+        raise TraceError("--rate-profile shapes a synthesized day: it needs --duration-s")
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise TraceError(f"--rate-profile must be comma-separated numbers, got {text[:80]!r}") from None
+    check_profile(values)
+    return values
 
 
 def inspect(path: str, fmt: str | None = None, as_json: bool = False, strict: bool = False,
             repeat: int | None = None, duration_s: float | None = None, seed: int = 0, whole: bool = False,
-            reread: bool = False) -> None:
+            reread: bool = False, rate_profile: str | None = None) -> None:
     """Print the trace's statistics (``workbench.traces.trace_stats``), its load notes
     (``workbench.traces.LoadStats``) and what reading it cost, as text or JSON.
 
@@ -154,6 +176,7 @@ def inspect(path: str, fmt: str | None = None, as_json: bool = False, strict: bo
             always loaded whole).
         reread: with ``repeat`` and streaming, parse the file once per copy instead of keeping the first
             copy's requests to replay (memory independent of the file's length; ``repeat`` x the time).
+        rate_profile: with ``duration_s``: comma-separated relative rates over equal slices of the day.
 
     Raises:
         TraceError: the file is unreadable or a row is bad (or, under ``strict``, suspect); a bad
@@ -167,12 +190,13 @@ def inspect(path: str, fmt: str | None = None, as_json: bool = False, strict: bo
         raise TraceError("--repeat and --duration-s both make a day from the trace: pass one of them")
     repeat = check_copies(repeat) if repeat is not None else None
     duration_s = check_duration(duration_s) if duration_s is not None else None
+    profile = parse_profile(rate_profile, duration_s)
     kwargs: dict = {"strict": True} if strict else {}
     if fmt == "mooncake" and (whole or fmt not in STREAMED_FORMATS):
         kwargs["token_ids"] = False
     rss0, t0 = rss_bytes(), time.perf_counter()
     streamed = not whole and fmt in STREAMED_FORMATS
-    got = (_load_stream if streamed else _load_whole)(path, fmt, kwargs, repeat, duration_s, seed, reread)
+    got = (_load_stream if streamed else _load_whole)(path, fmt, kwargs, repeat, duration_s, seed, reread, profile)
     elapsed = time.perf_counter() - t0
     st, load = got.stats, got.load
     st["format"] = fmt

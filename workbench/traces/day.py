@@ -12,8 +12,10 @@ What each keeps of the source trace:
   copy, as their token ids are keyed by request id and copies get new ids (``<id>+r<k>``).
 - **synthesized day** (``duration_s``): the source's mean arrival rate, its inter-arrival coefficient of
   variation (as the shape of a gamma renewal process) and its joint (prompt, output) length distribution
-  (whole requests drawn with replacement). Not kept: the order of requests, any change of rate over time
-  (the day is stationary), correlations between neighbouring requests, and any recorded gap.
+  (whole requests drawn with replacement); optionally a given ``rate_profile`` (relative rates over the
+  day, e.g. 24 hourly values) on top of that mean rate. Not kept: the order of requests, the source's own
+  change of rate over time (the day is stationary, or follows the given profile), correlations between
+  neighbouring requests, and any recorded gap.
 """
 
 from __future__ import annotations
@@ -140,23 +142,56 @@ def _gamma_shape(arrivals: np.ndarray) -> tuple[float, float]:
     return (len(arrivals) - 1) / float(arrivals[-1] - arrivals[0]), 1.0 / max(cv, 1e-3) ** 2
 
 
-def synthesize_day(source: Sequence[TraceRequest], duration_s: float, seed: int = 0) -> Iterator[TraceRequest]:
-    """A stationary stream of requests over [0, ``duration_s``) s with the source trace's statistics,
-    deterministic from ``seed``.
+def check_profile(rate_profile: Any) -> np.ndarray:
+    """``rate_profile`` as relative rates with mean 1 (float64 array).
+
+    Raises:
+        TraceError: not a non-empty list of finite numbers >= 0 with a positive sum.
+    """
+    try:
+        m = np.asarray(rate_profile, dtype=np.float64)
+    except (TypeError, ValueError):
+        m = np.array([np.nan])
+    if (isinstance(rate_profile, (str, bytes)) or m.ndim != 1 or m.size == 0 or not np.isfinite(m).all()
+            or (m < 0).any() or m.sum() <= 0):
+        raise TraceError(f"rate_profile must be a list of finite relative rates >= 0, not all 0, "
+                         f"got {shown(rate_profile)}")
+    return m / m.mean()
+
+
+def _warp(duration: float, rate_profile: Sequence[float] | None) -> Callable[[np.ndarray], np.ndarray]:
+    """Operational time -> time (s): the identity, or the inverse of the profile's cumulative relative rate
+    (piecewise linear over equal slices of ``duration``), so a stationary process becomes one whose rate in
+    slice i is the profile's i-th value times the mean rate."""
+    if rate_profile is None:
+        return lambda u: u
+    m = check_profile(rate_profile)
+    edges = np.linspace(0.0, duration, m.size + 1)
+    cum = np.concatenate(([0.0], np.cumsum(m * (duration / m.size))))
+    return lambda u: np.interp(u, cum, edges)
+
+
+def synthesize_day(source: Sequence[TraceRequest], duration_s: float, seed: int = 0,
+                   rate_profile: Sequence[float] | None = None) -> Iterator[TraceRequest]:
+    """Requests over [0, ``duration_s``) s with the source trace's statistics, deterministic from ``seed``.
 
     Arrivals: a gamma renewal process (first at 0) at the source's mean rate, (count - 1) / duration req/s,
-    whose gap CV is the source's (gamma shape 1 / CV^2; 1 = Poisson). Each request is a copy of a source
+    whose gap CV is the source's (gamma shape 1 / CV^2; 1 = Poisson). ``rate_profile`` (relative rates of
+    equal slices of the day, e.g. 24 hourly values; scaled to mean 1, so the day's mean rate stays the
+    source's) warps that process's time so slice i runs at value i x the mean rate (gaps inside a slice are
+    stretched alike, so their CV stays the source's); None: stationary. Each request is a copy of a source
     request drawn uniformly with replacement (its prompt and output lengths together, and its prompt ids,
     text or prefix blocks when it has them), named ``day-<i>``. About rate x ``duration_s`` requests; drawn
     in batches of :data:`SYNTH_CHUNK`, so memory does not grow with the day. See the module docstring for
     what is not kept.
 
     Raises:
-        TraceError: a bad ``duration_s`` or ``seed``; a source without a rate (fewer than 3 requests, or
-            all at one time).
+        TraceError: a bad ``duration_s``, ``seed`` or ``rate_profile``; a source without a rate (fewer than
+            3 requests, or all at one time).
     """
     duration = check_duration(duration_s)
     check_seed(seed)
+    warp = _warp(duration, rate_profile)
     arrivals = np.sort(np.array([r.arrival_s for r in source], dtype=np.float64))
     rate, shape = _gamma_shape(arrivals)
     rng = np.random.default_rng([seed, 7])
@@ -165,7 +200,7 @@ def synthesize_day(source: Sequence[TraceRequest], duration_s: float, seed: int 
         gaps = rng.gamma(shape, 1.0 / (rate * shape), size=SYNTH_CHUNK)
         picks = rng.integers(0, len(source), size=SYNTH_CHUNK)
         times = t + np.concatenate(([0.0], np.cumsum(gaps[:-1])))
-        for when, pick in zip(times.tolist(), picks.tolist()):
+        for when, pick in zip(warp(times).tolist(), picks.tolist()):
             if when >= duration:
                 return
             yield dataclasses.replace(source[pick], request_id=f"day-{i}", arrival_s=when)
