@@ -177,7 +177,8 @@ def test_inspect_json_reports_cost_and_the_day(tmp_path):
     assert day["cost"]["day_duration_s"] == 30.0
     text = CliRunner().invoke(app, ["trace", "inspect", str(p), "--repeat", "2"]).output
     assert "read (stream) in" in text and "rows/s; peak RSS" in text
-    reread = json.loads(CliRunner().invoke(app, ["trace", "inspect", str(p), "--json", "--repeat", "2", "--reread"]).output)
+    args = ["trace", "inspect", str(p), "--json", "--repeat", "2", "--reread"]
+    reread = json.loads(CliRunner().invoke(app, args).output)
     assert reread["cost"]["reread"] is True and reread["load"] == s["load"] and reread["count"] == s["count"]
 
 

@@ -1,5 +1,6 @@
-"""``workbench trace inspect``: a trace file's format, size, rate, burstiness, length percentiles and what
-loading it skipped, changed or re-ordered."""
+"""``workbench trace inspect``: a trace file's format, size, rate, burstiness, length percentiles, what
+loading it skipped, changed or re-ordered, and what reading it cost (wall time, rows/s, peak RSS), as
+recorded or made into a day (``--repeat``, ``--duration-s``)."""
 
 from __future__ import annotations
 

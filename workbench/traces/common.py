@@ -233,7 +233,8 @@ class LoadStats:
         return {"path": self.path, "format": self.format, "rows_read": self.rows_read, "loaded": self.loaded,
                 "skipped": dict(self.skipped), "changed": dict(self.changed), "warned": dict(self.warned),
                 "out_of_order": self.out_of_order, "first": dict(self.first), "limit": self.limit,
-                "copies": self.copies, "synthesized": self.synthesized, "summary": self.summary(), "notes": self.notes()}
+                "copies": self.copies, "synthesized": self.synthesized, "summary": self.summary(),
+                "notes": self.notes()}
 
 
 def begin_stats(stats: LoadStats | None, path: str | Path, fmt: str) -> LoadStats:
