@@ -51,6 +51,17 @@ def test_iter_trace_yields_what_load_trace_loads(tmp_path, fmt, name, text):
     assert list(iter_trace(fmt, p, limit=2)) == load_trace(fmt, p, limit=2, **kw)
 
 
+def test_iter_trace_loads_other_formats_whole(tmp_path):
+    p = write(tmp_path, "b.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                                 "5,ChatGPT,10,3,13,Conversation log\n1,GPT-4,20,4,24,Conversation log\n")
+    st = LoadStats()
+    assert list(iter_trace("burstgpt", p, stats=st)) == load_trace("burstgpt", p) and st.loaded == 2
+    assert list(iter_trace("synthetic", num_requests=5, request_rate=2.0)) == \
+        load_trace("synthetic", num_requests=5, request_rate=2.0)
+    with pytest.raises(TraceError, match="unknown trace format 'nope'"):
+        list(iter_trace("nope", p))
+
+
 def test_iter_trace_errors_are_one_line(tmp_path):
     p = write(tmp_path, "a.csv", AZURE)
     with pytest.raises(TraceError, match=r"a\.csv:4: arrives before a row already streamed.*reorder_window=0"):

@@ -60,8 +60,12 @@ def iter_trace(format: str, path: str | Path | None = None, limit: int | None = 
     if format not in _SECONDS or kwargs:
         if format not in FORMATS:
             raise TraceError(f"unknown trace format {shown(format)}; known formats: {', '.join(FORMATS)}")
-        extra = {"block_tokens": block_tokens} if format == "mooncake" else {}
-        yield from load_trace(format, path, limit=limit, strict=strict, stats=stats, **extra, **kwargs)
+        extra: dict[str, Any] = {"block_tokens": block_tokens} if format == "mooncake" else {}
+        if limit is not None:
+            extra["limit"] = limit
+        if strict:
+            extra["strict"] = True
+        yield from load_trace(format, path, stats=stats, **extra, **kwargs)
         return
     if path is None:
         raise TraceError(f"{format}: a trace file path is required")
