@@ -103,12 +103,19 @@ def generate(
 def trace_inspect(path: str = typer.Argument(..., help="trace file"),
                   fmt: str = typer.Option(None, "--format", help="azure | mooncake | burstgpt | sharegpt | vidur | apex (default: from the file name)"),
                   as_json: bool = typer.Option(False, "--json"),
-                  strict: bool = typer.Option(False, "--strict", help="a row that would be skipped, changed or sorted is an error")) -> None:
-    """Print a trace's format, count, duration, rate, burstiness and length percentiles, and what loading
-    skipped, changed or warned about (counted, with the first row of each reason)."""
+                  strict: bool = typer.Option(False, "--strict", help="a row that would be skipped, changed or sorted is an error"),
+                  repeat: Optional[int] = typer.Option(None, "--repeat", help="inspect N back-to-back copies of the trace (a day from an hour: 24)"),
+                  duration_s: Optional[float] = typer.Option(None, "--duration-s", help="inspect a day of S seconds synthesized from the trace's rate, gaps and lengths"),
+                  seed: int = typer.Option(0, "--seed", help="seeds --duration-s"),
+                  rate_profile: Optional[str] = typer.Option(None, "--rate-profile", help="with --duration-s: comma-separated relative rates over equal slices of the day (e.g. 24 hourly values)"),
+                  whole: bool = typer.Option(False, "--whole", help="load every request instead of streaming (to compare memory)"),
+                  reread: bool = typer.Option(False, "--reread", help="with --repeat: parse the file once per copy instead of keeping one copy in memory")) -> None:
+    """Print a trace's format, count, duration, rate, burstiness and length percentiles, what loading
+    skipped, changed or warned about (counted, with the first row of each reason), and what reading it
+    cost (wall time, rows/s, peak RSS)."""
     from workbench.commands.trace import inspect
 
-    inspect(path, fmt, as_json, strict)
+    inspect(path, fmt, as_json, strict, repeat, duration_s, seed, whole, reread, rate_profile)
 
 
 @app.command()

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -110,6 +110,13 @@ class TraceSpec(SpecModel):
             and line instead of a counted note.
         load: offered load relative to an engine's measured capacity (:class:`LoadSpec`); sets the
             arrival rate, so it excludes ``request_rate`` and ``time_scale``.
+        repeat: replay the (cut) trace this many times back to back, copy k shifted by k x (its duration
+            plus its mean gap), with new request ids; gaps and lengths inside a copy are the recorded ones
+            (see ``workbench.traces.day``).
+        duration_s: instead of the recorded requests, a stationary trace of this many seconds synthesized
+            from the trace's mean rate, gap CV and joint lengths (seeded by ``seed``); excludes ``repeat``.
+        rate_profile: with ``duration_s``: relative arrival rates over equal slices of that day (e.g. 24
+            hourly values), scaled to mean 1 so the day's mean rate stays the trace's.
     """
 
     format: TraceFormat
@@ -131,9 +138,21 @@ class TraceSpec(SpecModel):
     synthetic: SyntheticSpec | None = None
     strict: bool = False
     load: LoadSpec | None = None
+    repeat: int | None = Field(None, ge=1, le=1_000_000)
+    duration_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    rate_profile: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> "TraceSpec":
+        if self.repeat is not None and self.duration_s is not None:
+            raise ValueError("repeat and duration_s both make a day from the trace: set one of them")
+        if self.rate_profile is not None:
+            if self.duration_s is None:
+                raise ValueError("rate_profile shapes a synthesized day: it needs duration_s")
+            if sum(self.rate_profile) <= 0:
+                raise ValueError("rate_profile: at least one relative rate must be > 0")
+        if self.duration_s is not None and self.format == "synthetic":
+            raise ValueError("duration_s is not for format synthetic (set synthetic.num_requests and request_rate)")
         if self.load is not None:
             for name in ("request_rate", "time_scale"):
                 if getattr(self, name) is not None:

@@ -58,7 +58,8 @@ def load_scenario_trace(scenario: Scenario, tokenizer: Any = None, vocab_lo: int
     reqs = apply_transforms(reqs, limit=t.limit, sample=t.sample, seed=scenario.seed, time_scale=t.time_scale,
                             request_rate=t.request_rate, max_input_tokens=t.max_input_tokens,
                             max_output_tokens=t.max_output_tokens, length_scale=t.length_scale,
-                            burstiness=t.burstiness, stats=st, output_tokens=t.output_tokens)
+                            burstiness=t.burstiness, stats=st, output_tokens=t.output_tokens,
+                            repeat=t.repeat, duration_s=t.duration_s, rate_profile=t.rate_profile)
     if with_token_ids:
         reqs = ensure_prompt_ids(reqs, scenario.seed, vocab_lo, vocab_hi, block_tokens)
     return reqs

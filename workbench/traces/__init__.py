@@ -20,12 +20,15 @@ Every bad input raises :class:`TraceError` with one line ``<file>:<line>: <what 
 the file cut to 80 characters). Every loader takes ``stats=`` (a :class:`LoadStats` it fills: rows read,
 loaded, skipped, changed and warned per reason, rows out of arrival order) and ``strict=`` (a row it would
 change, warn about or re-order is then an error). A recorded output of 0 tokens is replayed as 1 token.
+:func:`iter_trace` streams a file (azure, vidur, mooncake row by row) in arrival order; :mod:`~workbench.traces.day`
+makes a day of traffic from a shorter trace (``repeat`` copies, or ``synthesize_day``).
 Then :func:`apply_transforms` cuts, samples, rescales time and lengths; :func:`trace_stats` summarises;
 :func:`ensure_prompt_ids` gives prompts that only have a length deterministic token ids.
 
 Modules: ``common`` (the request type, the error, the load report, CSV/JSONL and value parsers,
 :data:`BUILTIN_TRACE_DIR`), ``ids`` (prompt-id synthesis), one per format, ``formats`` (:func:`load_trace`),
-``transforms``, ``summary`` and ``prefix`` (a trace's ideal prefix-cache hit rate and the shared-prefix trace
+``transforms``, ``summary``, ``rows`` (a parsed row), ``stream`` (:func:`iter_trace`), ``day`` (repeat,
+synthesized days) and ``prefix`` (a trace's ideal prefix-cache hit rate and the shared-prefix trace
 generator; imported from ``workbench.traces.prefix``, not re-exported here, as it needs ``engines``).
 """
 
@@ -33,12 +36,14 @@ from workbench.traces.apex import load_apex
 from workbench.traces.azure import load_azure
 from workbench.traces.burstgpt import load_burstgpt
 from workbench.traces.common import BUILTIN_TRACE_DIR, LoadStats, TraceError, TraceRequest
+from workbench.traces.day import repeat_requests, repeat_stream, synthesize_day
 from workbench.traces.formats import EXTRA_FORMATS, FORMATS, load_trace
 from workbench.traces.ids import (DEFAULT_VOCAB_HI, DEFAULT_VOCAB_LO, MOONCAKE_BLOCK_TOKENS, ensure_prompt_ids,
                                   mooncake_prompt_ids, synthesize_prompt_ids)
 from workbench.traces.mooncake import load_mooncake
 from workbench.traces.sharegpt import load_sharegpt
-from workbench.traces.summary import trace_stats
+from workbench.traces.stream import STREAMED_FORMATS, iter_trace
+from workbench.traces.summary import trace_stats, trace_stats_arrays
 from workbench.traces.synthetic import LENGTH_DISTS, load_synthetic, synthetic_arrivals
 from workbench.traces.transforms import apply_transforms
 from workbench.traces.vidur import load_vidur
@@ -52,10 +57,12 @@ __all__ = [
     "LENGTH_DISTS",
     "LoadStats",
     "MOONCAKE_BLOCK_TOKENS",
+    "STREAMED_FORMATS",
     "TraceError",
     "TraceRequest",
     "apply_transforms",
     "ensure_prompt_ids",
+    "iter_trace",
     "load_apex",
     "load_azure",
     "load_burstgpt",
@@ -65,7 +72,11 @@ __all__ = [
     "load_trace",
     "load_vidur",
     "mooncake_prompt_ids",
+    "repeat_requests",
+    "repeat_stream",
+    "synthesize_day",
     "synthesize_prompt_ids",
     "synthetic_arrivals",
     "trace_stats",
+    "trace_stats_arrays",
 ]

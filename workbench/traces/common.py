@@ -91,6 +91,11 @@ class LoadStats:
         first: ``"<kind>: <reason>"`` (or ``"out of arrival order"``) -> ``"<file>:<line>: <detail>"`` of the
             first row counted under it.
         limit: the loader's ``limit`` when reading stopped there, else None.
+        copies: how many back-to-back copies of the file's rows the trace holds (``repeat``); every count
+            above is then the sum over the copies, as if the file was read ``copies`` times (a stream
+            does read it that many times), so ``rows_read == loaded + sum(skipped.values())`` still holds.
+        synthesized: requests of a day synthesized from the loaded rows (``duration_s``), else None; the
+            counts above then describe the source rows, not the synthesized requests.
     """
 
     path: str = ""
@@ -103,6 +108,8 @@ class LoadStats:
     out_of_order: int = 0
     first: dict[str, str] = field(default_factory=dict)
     limit: int | None = None
+    copies: int = 1
+    synthesized: int | None = None
     _last: tuple[Any, str] | None = field(default=None, repr=False, compare=False)
 
     def start(self, path: str | Path, fmt: str) -> "LoadStats":
@@ -110,7 +117,31 @@ class LoadStats:
         self.path, self.format, self.rows_read, self.loaded, self.out_of_order = str(path), fmt, 0, 0, 0
         self.skipped, self.changed, self.warned, self.first = {}, {}, {}, {}
         self.limit, self._last = None, None
+        self.copies, self.synthesized = 1, None
         return self
+
+    def add_copy(self, other: "LoadStats") -> None:
+        """Add the counts of one more copy of the file (``other``, filled by re-reading it) to these."""
+        self.rows_read += other.rows_read
+        self.loaded += other.loaded
+        self.out_of_order += other.out_of_order
+        for mine, theirs in ((self.skipped, other.skipped), (self.changed, other.changed),
+                             (self.warned, other.warned)):
+            for reason, n in theirs.items():
+                mine[reason] = mine.get(reason, 0) + n
+        for k, v in other.first.items():
+            self.first.setdefault(k, v)
+        self.copies += 1
+
+    def times(self, copies: int) -> None:
+        """Count the rows ``copies`` times: the trace now holds that many copies of what was loaded."""
+        self.rows_read *= copies
+        self.loaded *= copies
+        self.out_of_order *= copies
+        for counts in (self.skipped, self.changed, self.warned):
+            for reason in counts:
+                counts[reason] *= copies
+        self.copies *= copies
 
     def _count(self, kind: str, counts: dict[str, int], reason: str, where: str | None, detail: str,
                n: int = 1) -> None:
@@ -179,6 +210,10 @@ class LoadStats:
                 parts.append(f"{n} {label}")
         if self.limit is not None:
             parts.append(f"stopped at limit {self.limit}")
+        if self.copies > 1:
+            parts.append(f"counts summed over {self.copies} copies")
+        if self.synthesized is not None:
+            parts.append(f"{self.synthesized} requests synthesized from them")
         return ", ".join(parts)
 
     def notes(self) -> list[str]:
@@ -198,7 +233,8 @@ class LoadStats:
         return {"path": self.path, "format": self.format, "rows_read": self.rows_read, "loaded": self.loaded,
                 "skipped": dict(self.skipped), "changed": dict(self.changed), "warned": dict(self.warned),
                 "out_of_order": self.out_of_order, "first": dict(self.first), "limit": self.limit,
-                "summary": self.summary(), "notes": self.notes()}
+                "copies": self.copies, "synthesized": self.synthesized, "summary": self.summary(),
+                "notes": self.notes()}
 
 
 def begin_stats(stats: LoadStats | None, path: str | Path, fmt: str) -> LoadStats:

@@ -7,6 +7,7 @@ shorter keeps a prefix of its longer self's ids (shared prefixes stay shared).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Sequence
 
@@ -19,6 +20,23 @@ DEFAULT_VOCAB_LO = 100  # synthesized ids are drawn from [DEFAULT_VOCAB_LO, DEFA
 DEFAULT_VOCAB_HI = 49000
 
 _SYNTH_TAG = 0x5E17  # keeps synthesize_prompt_ids' seed sequences apart from Mooncake's (seed, hash id) ones
+# vocabularies up to this size get interned ids (one int object per id value, shared by every prompt)
+MAX_INTERNED_VOCAB = 1 << 20
+
+
+@functools.lru_cache(maxsize=4)
+def _int_table(vocab_hi: int) -> np.ndarray:
+    """An object array whose item i is the int i, for i < ``vocab_hi`` (about 36 bytes an entry)."""
+    return np.array(range(vocab_hi), dtype=object)
+
+
+def as_id_list(ids: np.ndarray, vocab_hi: int) -> list[int]:
+    """``ids.tolist()``, but every id below :data:`MAX_INTERNED_VOCAB` is one shared int object per value:
+    a list of fresh ints costs 8 + 32 bytes a token, this one 8 (a 1,100-token prompt: 9 KB instead of
+    44 KB), and indexing the table is faster than making the ints."""
+    if vocab_hi > MAX_INTERNED_VOCAB or ids.size == 0:
+        return ids.tolist()
+    return _int_table(vocab_hi)[ids].tolist()
 
 
 def synthesize_prompt_ids(
@@ -42,7 +60,7 @@ def synthesize_prompt_ids(
     if n_tokens < 0 or request_index < 0:
         raise TraceError(f"n_tokens and request_index must be >= 0, got {n_tokens}, {request_index}")
     rng = np.random.default_rng([seed, request_index, _SYNTH_TAG])
-    return rng.integers(vocab_lo, vocab_hi, size=n_tokens, dtype=np.int64).tolist()
+    return as_id_list(rng.integers(vocab_lo, vocab_hi, size=n_tokens, dtype=np.int64), vocab_hi)
 
 
 def _block_ids(cache: dict[int, np.ndarray], h: int, seed: int, block_tokens: int, lo: int, hi: int) -> np.ndarray:
@@ -82,7 +100,7 @@ def mooncake_prompt_ids(
     cache = {} if _cache is None else _cache
     n_blocks = min(len(hash_ids), -(-n_tokens // block_tokens))
     parts = [_block_ids(cache, int(h), seed, block_tokens, vocab_lo, vocab_hi) for h in hash_ids[:n_blocks]]
-    ids = np.concatenate(parts)[:n_tokens].tolist() if parts else []
+    ids = as_id_list(np.concatenate(parts)[:n_tokens], vocab_hi) if parts else []
     if len(ids) < n_tokens:
         ids += synthesize_prompt_ids(n_tokens - len(ids), seed, request_index, vocab_lo, vocab_hi)
     return ids

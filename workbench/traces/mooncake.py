@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from workbench.traces.common import (LoadStats, TraceError, TraceRequest, begin_stats, check_file, check_limit,
                                      check_seed, check_vocab, finish, output_count, parse_count, parse_seconds,
                                      read_jsonl, shown)
+from workbench.traces.rows import RawRow
 from workbench.traces.ids import DEFAULT_VOCAB_HI, DEFAULT_VOCAB_LO, MOONCAKE_BLOCK_TOKENS, mooncake_prompt_ids
 
 # the warning reason of a row whose hash_ids do not cover its input_length in whole recorded blocks
@@ -65,7 +67,29 @@ def load_mooncake(
     st = begin_stats(stats, p, "mooncake")
     reqs: list[TraceRequest] = []
     cache: dict[int, np.ndarray] = {}
-    for where, obj in read_jsonl(p, limit):
+    for r in iter_mooncake_rows(p, block_tokens, limit, strict, st):
+        idx = len(reqs)
+        ids = (mooncake_prompt_ids(r.hash_ids, r.prompt_tokens, seed, idx, block_tokens, vocab_lo, vocab_hi, cache)
+               if token_ids else None)
+        reqs.append(TraceRequest(r.request_id, r.key / 1000.0, r.prompt_tokens, r.output_tokens, ids, None,
+                                 r.hash_ids))
+    return finish(reqs, p, st, limit if limit is not None and len(reqs) >= limit else None)
+
+
+def mooncake_seconds(key: float, base: float) -> float:
+    """Seconds from ``base`` to ``key`` (both ``timestamp`` in ms), as :func:`load_mooncake` computes them."""
+    return key / 1000.0 - base / 1000.0
+
+
+def iter_mooncake_rows(p: Path, block_tokens: int, limit: int | None, strict: bool,
+                       st: LoadStats) -> Iterator[RawRow]:
+    """The JSONL's rows in file order, parsed and counted in ``st``; ``key`` is ``timestamp`` in ms,
+    ``prompt_tokens`` is scaled to ``block_tokens`` per block (see :func:`load_mooncake`).
+
+    Raises:
+        TraceError: as :func:`load_mooncake`.
+    """
+    for i, (where, obj) in enumerate(read_jsonl(p, limit)):
         st.rows_read += 1
         for key in ("timestamp", "input_length", "output_length", "hash_ids"):
             if key not in obj:
@@ -87,8 +111,4 @@ def load_mooncake(
         if block_tokens != MOONCAKE_BLOCK_TOKENS:
             full, rem = divmod(n_in, MOONCAKE_BLOCK_TOKENS)
             n_in = full * block_tokens + -(-rem * block_tokens // MOONCAKE_BLOCK_TOKENS)
-        idx = len(reqs)
-        ids = (mooncake_prompt_ids(hashes, n_in, seed, idx, block_tokens, vocab_lo, vocab_hi, cache)
-               if token_ids else None)
-        reqs.append(TraceRequest(f"mooncake-{idx}", t_ms / 1000.0, n_in, n_out, ids, None, hashes))
-    return finish(reqs, p, st, limit if limit is not None and len(reqs) >= limit else None)
+        yield RawRow(t_ms, f"mooncake-{i}", n_in, n_out, where, hashes)

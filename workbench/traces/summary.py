@@ -31,8 +31,22 @@ def trace_stats(reqs: Sequence[TraceRequest]) -> dict[str, Any]:
     """
     if not reqs:
         raise TraceError("trace is empty (no requests)")
-    n = len(reqs)
-    t = np.sort(np.array([r.arrival_s for r in reqs], dtype=np.float64))
+    return trace_stats_arrays(np.array([r.arrival_s for r in reqs], dtype=np.float64),
+                              np.array([r.prompt_tokens for r in reqs], dtype=np.float64),
+                              np.array([r.output_tokens for r in reqs], dtype=np.float64))
+
+
+def trace_stats_arrays(arrivals: np.ndarray, prompt_tokens: np.ndarray, output_tokens: np.ndarray) -> dict[str, Any]:
+    """:func:`trace_stats` of a trace given as three equal-length arrays: arrivals (s), prompt and output
+    lengths (tokens); what a stream collects instead of the requests (24 bytes a request as float64).
+
+    Raises:
+        TraceError: empty arrays.
+    """
+    n = len(arrivals)
+    if n == 0:
+        raise TraceError("trace is empty (no requests)")
+    t = np.sort(np.asarray(arrivals, dtype=np.float64))
     duration = float(t[-1] - t[0])
     gaps = np.diff(t)
     undefined: dict[str, str] = {}
@@ -56,7 +70,7 @@ def trace_stats(reqs: Sequence[TraceRequest]) -> dict[str, Any]:
         "duration_s": duration,
         "rate": rate,
         "burstiness": cv,
-        "prompt_tokens": _lengths(np.array([r.prompt_tokens for r in reqs], dtype=np.float64)),
-        "output_tokens": _lengths(np.array([r.output_tokens for r in reqs], dtype=np.float64)),
+        "prompt_tokens": _lengths(np.asarray(prompt_tokens, dtype=np.float64)),
+        "output_tokens": _lengths(np.asarray(output_tokens, dtype=np.float64)),
         "undefined": undefined,
     }

@@ -9,6 +9,7 @@ from typing import Sequence
 import numpy as np
 
 from workbench.traces.common import LoadStats, TraceError, TraceRequest, check_limit, check_seed, shown
+from workbench.traces.day import repeat_requests, synthesize_day
 from workbench.traces.ids import request_key, synthesize_prompt_ids
 from workbench.traces.synthetic import synthetic_arrivals
 
@@ -25,6 +26,25 @@ def _resize_ids(r: TraceRequest, n_tokens: int, seed: int) -> tuple[list[int] | 
     return r.prompt_token_ids + extra, None
 
 
+def _make_day(reqs: list[TraceRequest], repeat: int | None, duration_s: float | None, seed: int,
+              stats: LoadStats | None, rate_profile: Sequence[float] | None = None) -> list[TraceRequest]:
+    """``reqs`` (sorted, first at 0) repeated ``repeat`` times or replaced by a synthesized ``duration_s`` day."""
+    if repeat is not None and duration_s is not None:
+        raise TraceError("repeat and duration_s both make a day from the trace: set one of them")
+    if rate_profile is not None and duration_s is None:
+        raise TraceError("rate_profile shapes a synthesized day: it needs duration_s")
+    if repeat is not None:
+        return repeat_requests(reqs, repeat, stats)
+    if duration_s is not None:
+        day = list(synthesize_day(reqs, duration_s, seed, rate_profile))
+        if not day:
+            raise TraceError(f"duration_s={duration_s:g} s is too short for a request of the synthesized day")
+        if stats is not None:
+            stats.synthesized = len(day)
+        return day
+    return reqs
+
+
 def apply_transforms(
     reqs: Sequence[TraceRequest],
     limit: int | None = None,
@@ -38,6 +58,9 @@ def apply_transforms(
     burstiness: float | None = None,
     stats: LoadStats | None = None,
     output_tokens: int | None = None,
+    repeat: int | None = None,
+    duration_s: float | None = None,
+    rate_profile: Sequence[float] | None = None,
 ) -> list[TraceRequest]:
     """Cut, sample and rescale a trace; returns new requests (the input is not changed).
 
@@ -46,14 +69,19 @@ def apply_transforms(
     1. ``limit``: keep the first N requests (by arrival).
     2. ``sample``: keep N requests drawn at random without replacement (``seed``), sorted by arrival and
        rebased so the first arrives at 0.
-    3. ``time_scale``: multiply every inter-arrival time (2.0 = half the rate; 0 = all at once).
-    4. ``request_rate`` (req/s): rescale arrivals so the mean rate, (count - 1) / duration, equals it.
+    3. ``repeat``: N back-to-back copies (copy k shifted by k x the trace's duration plus its mean gap,
+       ids ``<id>+r<k>``; ``stats`` counts multiplied by N), or ``duration_s``: a stationary day of that many
+       seconds synthesized from the trace's rate, gap CV and lengths (``seed``; ``stats.synthesized`` is
+       its count), shaped by ``rate_profile`` (relative rates over equal slices of the day) when given.
+       What each keeps of the trace: :mod:`workbench.traces.day`.
+    4. ``time_scale``: multiply every inter-arrival time (2.0 = half the rate; 0 = all at once).
+    5. ``request_rate`` (req/s): rescale arrivals so the mean rate, (count - 1) / duration, equals it.
        When the trace has no timing (all arrivals equal, e.g. ShareGPT or sarathi lengths) or ``burstiness``
        is given, arrivals are instead replaced by a gamma process at that rate (burstiness default 1.0 =
        Poisson, see :func:`synthetic_arrivals`). ``inf`` puts every arrival at 0.
-    5. ``length_scale``: multiply prompt and output lengths (rounded, at least 1).
-    6. ``max_input_tokens`` / ``max_output_tokens``: clip lengths.
-    7. ``output_tokens``: every request's output length set to this (a fixed output length, as
+    6. ``length_scale``: multiply prompt and output lengths (rounded, at least 1).
+    7. ``max_input_tokens`` / ``max_output_tokens``: clip lengths.
+    8. ``output_tokens``: every request's output length set to this (a fixed output length, as
        ``vllm bench serve --sharegpt-output-len``); each request it changes is counted.
 
     Prompt token ids follow the prompt length: cutting keeps the prefix (so shared prefixes stay shared),
@@ -65,7 +93,9 @@ def apply_transforms(
 
     Raises:
         TraceError: a setting out of range (limit, sample, caps < 1; sample larger than the trace;
-            negative time_scale; request_rate or length_scale <= 0), or an empty trace.
+            negative time_scale; request_rate or length_scale <= 0; repeat not in [1, 1000000]; duration_s
+            <= 0; both repeat and duration_s; duration_s on a trace without a rate; a bad rate_profile or
+            one without duration_s), or an empty trace.
     """
     out = sorted((dataclasses.replace(r) for r in reqs), key=lambda r: r.arrival_s)
     if not out:
@@ -88,6 +118,7 @@ def apply_transforms(
     t0 = out[0].arrival_s
     for r in out:
         r.arrival_s -= t0
+    out = _make_day(out, repeat, duration_s, seed, stats, rate_profile)
     if time_scale is not None:
         if not (isinstance(time_scale, (int, float)) and 0 <= time_scale < math.inf):
             raise TraceError(f"time_scale must be a finite number >= 0, got {shown(time_scale)}")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 from workbench.traces.common import (LoadStats, TraceRequest, begin_stats, check_file, check_limit, finish,
                                      output_count, parse_count, parse_seconds, read_csv, read_header)
+from workbench.traces.rows import RawRow
 
 
 def load_vidur(path: str | Path, limit: int | None = None, strict: bool = False,
@@ -30,15 +32,30 @@ def load_vidur(path: str | Path, limit: int | None = None, strict: bool = False,
     p = check_file(path)
     check_limit(limit)
     st = begin_stats(stats, p, "vidur")
+    reqs = [TraceRequest(r.request_id, r.key, r.prompt_tokens, r.output_tokens)
+            for r in iter_vidur_rows(p, limit, strict, st)]
+    return finish(reqs, p, st, limit if limit is not None and st.rows_read >= limit else None)
+
+
+def vidur_seconds(key: float, base: float) -> float:
+    """Seconds from ``base`` to ``key`` (both ``arrived_at`` in s)."""
+    return key - base
+
+
+def iter_vidur_rows(p: Path, limit: int | None, strict: bool, st: LoadStats) -> Iterator[RawRow]:
+    """The CSV's rows in file order, parsed and counted in ``st``; ``key`` is ``arrived_at`` in s (0.0 for a
+    lengths CSV without it).
+
+    Raises:
+        TraceError: as :func:`load_vidur`.
+    """
     has_arrival = "arrived_at" in read_header(p)
     cols = (("arrived_at",) if has_arrival else ()) + ("num_prefill_tokens", "num_decode_tokens")
-    reqs = []
     for i, (where, row) in enumerate(read_csv(p, cols, limit)):
         st.rows_read += 1
         t = 0.0
         if has_arrival:
             t = parse_seconds(row["arrived_at"], where, "arrived_at")
             st.arrival(t, where, "arrived_at", row["arrived_at"].strip(), strict)
-        reqs.append(TraceRequest(f"vidur-{i}", t, parse_count(row["num_prefill_tokens"], where, "num_prefill_tokens"),
-                                 output_count(row["num_decode_tokens"], where, "num_decode_tokens", st, strict)))
-    return finish(reqs, p, st, limit if limit is not None and st.rows_read >= limit else None)
+        yield RawRow(t, f"vidur-{i}", parse_count(row["num_prefill_tokens"], where, "num_prefill_tokens"),
+                     output_count(row["num_decode_tokens"], where, "num_decode_tokens", st, strict), where)
