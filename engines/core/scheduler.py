@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from engines.core.config import SchedulerConfig
 from engines.core.kv_cache_manager import KVStats
@@ -112,10 +111,16 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
 
-    @cached_property
+    # StepShape of ``seqs``, computed on first use (a plain attribute: functools.cached_property takes a lock,
+    # which costs more than the rest of a small simulated step)
+    _shape: StepShape | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
     def shape(self) -> StepShape:
         """What the step computes (computed once: the step record and the simulator's cost model both read it)."""
-        return StepShape.of(self.seqs)
+        if self._shape is None:
+            self._shape = StepShape.of(self.seqs)
+        return self._shape
 
     @property
     def is_empty(self) -> bool:

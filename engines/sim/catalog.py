@@ -67,18 +67,18 @@ class ModelSpec:
     source: str
 
     # -- parameter counts (biases and norms are < 0.1% and left out) ------------------------------
-    @property
+    @functools.cached_property  # frozen spec: computed once, then an instance attribute
     def attn_params_per_layer(self) -> int:
         """q, k, v and o projections: hidden x (heads + 2 kv_heads) x head_dim + heads x head_dim x hidden."""
         h, d = self.hidden_size, self.head_dim
         return h * (self.num_attention_heads + 2 * self.num_key_value_heads) * d + self.num_attention_heads * d * h
 
-    @property
+    @functools.cached_property  # frozen spec: computed once, then an instance attribute
     def mlp_params_per_layer(self) -> int:
         """3 x hidden x intermediate (gated SwiGLU) or 2 x hidden x intermediate (plain fc1/fc2, OPT)."""
         return (3 if self.mlp == "gated" else 2) * self.hidden_size * self.intermediate_size
 
-    @property
+    @functools.cached_property  # frozen spec: computed once, then an instance attribute
     def linear_params(self) -> int:
         """Parameters of the transformer layers' matrices (what GEMMs read each step and what AWQ quantizes)."""
         return self.num_hidden_layers * (self.attn_params_per_layer + self.mlp_params_per_layer)
@@ -88,7 +88,7 @@ class ModelSpec:
         """Input embedding plus the LM head (counted once when tied)."""
         return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
 
-    @property
+    @functools.cached_property  # frozen spec: computed once, then an instance attribute
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
