@@ -262,7 +262,7 @@ class PagedScheduler(Scheduler):
         """As ``Scheduler.update``, and fork parallel-sampling children off a request whose first token
         was sampled in this step: each child shares the parent's blocks and starts with its own token."""
         children: list[Request] = []
-        for seq in output.seqs:
+        for seq in output.seqs if self._multi_seq else ():  # only a request asking for several sequences forks
             if not seq.fork_ids or any(c not in result.sampled for c in seq.fork_ids):
                 continue
             parent = self.requests.get(seq.request_id)
@@ -286,19 +286,20 @@ class PagedScheduler(Scheduler):
                     child.output_logprobs.append(result.token_logprobs[cid])
                 child.prompt_logprobs = parent.prompt_logprobs
                 children.append(child)
-        for seq in output.seqs:
+        for seq in output.seqs if result.logprobs else ():
             req = self.requests.get(seq.request_id)
             if req is not None and seq.sample and seq.request_id in result.logprobs:
                 req.cumulative_logprob += result.logprobs[seq.request_id]
         finished = super().update(output, result)
         for child in children:
             self._finish_if_done(child, child.output_token_ids[-1], finished)
-        for seq in output.seqs:  # speculative rows: free the blocks that held only rejected drafts
+        for seq in output.seqs if self.spec is not None else ():  # speculative rows: free rejected drafts' blocks
             if seq.num_spec:
                 req = self.requests.get(seq.request_id)
                 if req is not None and not req.is_finished:
                     self.kv.trim(req, req.num_tokens_total)
-        finished.extend(self.beam_search.update(self, output, result))  # beams: pick the survivors, fork and free
+        if result.beam_candidates:  # beams: pick the survivors, fork and free
+            finished.extend(self.beam_search.update(self, output, result))
         return finished
 
     def _release(self, request: Request) -> None:
