@@ -305,39 +305,28 @@ class LLMEngine:
                 cumulative_logprob=h.cumulative_logprob, beam_score=h.score, outputs=[]))
 
     def _record(self, out, start: float, duration: float) -> None:
-        kv = out.kv_stats
-        seqs = out.seqs
-        shape = out.shape
-        self.steps.append(
-            StepRecord(
-                step=self.num_steps,
-                start=start,
-                duration=duration,
-                num_seqs=len(seqs),
-                num_prefill_tokens=shape.prefill_tokens,
-                num_decode_tokens=shape.decode_rows,  # live rows
-                num_padding_seqs=shape.padding_rows,
-                num_running=out.num_running,
-                num_waiting=out.num_waiting,
-                num_preemptions=len(out.preempted_ids),
-                kv_total_slots=kv.total_slots,
-                kv_allocated=kv.allocated,
-                kv_token_states=kv.token_states,
-                kv_reserved=kv.reserved,
-                kv_internal_frag=kv.internal_frag,
-                kv_external_frag=kv.external_frag,
-                num_tokens=shape.tokens,
-                decode_ctx=shape.decode_ctx,
-                num_prefill_seqs=shape.prefill_seqs,
-                prefill_attn=shape.prefill_attn,
-                prefill_ctx=shape.prefill_ctx,
-                num_sampled=shape.sampled,
-                padding_ctx=shape.padding_ctx,
-                scattered_ctx=shape.scattered_ctx,
-                **self._memory_fields(out),
-            )
-        )
+        kv, shape = out.kv_stats, out.shape
+        n_out, n_in = len(out.blocks_to_swap_out), len(out.blocks_to_swap_in)
+        # positional, in StepRecord's field order (keywords and a merged dict cost more than the rest of a
+        # small simulated step)
+        self.steps.append(StepRecord(
+            self.num_steps, start, duration, len(out.seqs),
+            shape.prefill_tokens, shape.decode_rows, shape.padding_rows,  # decode: live rows
+            out.num_running, out.num_waiting, len(out.preempted_ids),
+            kv.total_slots, kv.allocated, kv.token_states, kv.reserved, kv.internal_frag, kv.external_frag,
+            # memory management: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing
+            out.prefix_cache_queries, out.prefix_cache_hits, out.num_preempted_swap, out.num_swapped,
+            n_out, n_in, (n_out + n_in) * getattr(self.executor, "block_bytes", 0), self._last_swap_time,
+            self._shared_saved(),
+            shape.tokens, shape.decode_ctx, shape.prefill_seqs, shape.prefill_attn, shape.prefill_ctx,
+            shape.sampled, shape.padding_ctx, shape.scattered_ctx,
+        ))
         self.num_steps += 1
+
+    def _shared_saved(self) -> int:
+        """KV slots saved by block sharing now (``kv_shared_saved``; 0 without a paged KV manager)."""
+        kv = getattr(self.scheduler, "kv", None)
+        return kv_shared_saved(kv, self.scheduler.running) if isinstance(kv, PagedKVCacheManager) else 0
 
     def _record_spec(self, out: SchedulerOutput, result) -> None:
         """The last step record's speculative-decoding counts and communication time."""
@@ -348,23 +337,6 @@ class LLMEngine:
                 rec.spec_drafts += 1
                 rec.spec_draft_tokens += s.num_spec
                 rec.spec_accepted_tokens += len(result.spec_accepted.get(s.request_id, ()))
-
-    def _memory_fields(self, out: SchedulerOutput) -> dict:
-        """Memory-management step fields: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing."""
-        block_bytes = getattr(self.executor, "block_bytes", 0)
-        n_out, n_in = len(out.blocks_to_swap_out), len(out.blocks_to_swap_in)
-        kv = getattr(self.scheduler, "kv", None)
-        return dict(
-            prefix_cache_queries=out.prefix_cache_queries,
-            prefix_cache_hits=out.prefix_cache_hits,
-            num_preemptions_swap=out.num_preempted_swap,
-            num_swapped=out.num_swapped,
-            swap_out_blocks=n_out,
-            swap_in_blocks=n_in,
-            swap_bytes=(n_out + n_in) * block_bytes,
-            swap_time=self._last_swap_time,
-            kv_shared_saved=kv_shared_saved(kv, self.scheduler.running) if isinstance(kv, PagedKVCacheManager) else 0,
-        )
 
     def run_to_completion(self) -> list[RequestOutput]:
         """Step until no request is left; returns outputs in finishing order."""

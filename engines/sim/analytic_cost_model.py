@@ -166,9 +166,10 @@ class AnalyticCostModel:
 
     def breakdown(self, seqs) -> dict[str, float]:
         """Seconds per component of one step (target and, with spec decoding, draft)."""
-        rows = [(s.num_tokens, s.start_pos, bool(s.sample and not s.is_padding), s.is_decode) for s in seqs]
         if self.spec is None:
-            return self.pass_time(self.model, self.weight_dtype, [(n, p, smp) for n, p, smp, _ in rows], self.tp)
+            rows3 = [(len(s.token_ids), s.start_pos, bool(s.sample and not s.is_padding)) for s in seqs]
+            return self.pass_time(self.model, self.weight_dtype, rows3, self.tp)
+        rows = [(s.num_tokens, s.start_pos, bool(s.sample and not s.is_padding), s.is_decode) for s in seqs]
         k = self.spec.num_speculative_tokens
         # target: every decode row verifies k + 1 tokens (its last token + k drafts)
         target = [((k + 1) if dec else n, p, smp) for n, p, smp, dec in rows]
@@ -207,13 +208,15 @@ class AnalyticCostModel:
         out = {"gemm": max(t_compute, wbytes / (hw.mem_bw * eff.memory))}
         # attention, decode rows and prefill chunks as separate kernels
         heads, kvb = max(1, m.num_attention_heads // tp), self._kv_bytes(m, tp)
-        for name, sel in (("attn_decode", True), ("attn_prefill", False)):
-            pairs = ctx = 0
-            for n, p, _ in rows:
-                if (n == 1 and p > 0) != sel:
-                    continue
-                pairs += n * p + n * (n + 1) // 2
-                ctx += p + n
+        d_pairs = d_ctx = p_pairs = p_ctx = 0  # query x key pairs and context tokens: decode rows, prefill chunks
+        for n, p, _ in rows:
+            if n == 1 and p > 0:
+                d_pairs += p + 1
+                d_ctx += p + 1
+            else:
+                p_pairs += n * p + n * (n + 1) // 2
+                p_ctx += p + n
+        for name, pairs, ctx in (("attn_decode", d_pairs, d_ctx), ("attn_prefill", p_pairs, p_ctx)):
             if ctx:
                 a_flops = 4.0 * heads * m.head_dim * m.num_hidden_layers * pairs
                 out[name] = max(a_flops / (bf16 * eff.attention_compute), ctx * kvb / (hw.mem_bw * eff.attention_memory))
