@@ -87,3 +87,51 @@ def test_bad_replica_lists_are_errors():
         simulate_cluster([], make_router("round_robin"), [])
     with pytest.raises(ValueError, match="listed twice"):
         simulate_cluster([e, e], make_router("round_robin"), [])
+
+
+# ------------------------------------------------------------------------------- scenario cluster section
+def cluster_scenario(**cluster):
+    return {"name": "c", "trace": {"format": "mooncake", "path": "builtin:shared_prefix_mooncake.jsonl",
+                                   "limit": 16, "request_rate": 8.0},
+            "engines": [{"name": "h100", "kind": "sim", "cost_model": "analytic", "hardware": "h100-sxm",
+                         "model": "llama-3.2-1b"},
+                        {"name": "a100", "kind": "sim", "cost_model": "analytic", "hardware": "a100-80gb",
+                         "model": "llama-3.2-1b"}],
+            "cluster": cluster}
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ({"replicas": [{"engine": "nope", "count": 2}]}, "c.yaml: cluster.replicas.0.engine: no engine named 'nope'"),
+    ({"replicas": [{"engine": "h100", "count": 0}]}, "c.yaml: cluster.replicas.0.count: Input should be greater"),
+    ({"router": "random", "replicas": [{"engine": "h100"}]}, "c.yaml: cluster.router: Input should be 'round_robin'"),
+    ({"router": "least_kv", "routers": ["round_robin"], "replicas": [{"engine": "h100"}]},
+     "c.yaml: cluster.routers: set router (one) or routers (several), not both"),
+    ({"replicas": [{"engine": "h100", "replicas": 3}]}, "c.yaml: cluster.replicas.0.replicas: unknown field"),
+])
+def test_bad_cluster_sections_are_one_line_errors(cluster, message):
+    from workbench.scenario import ScenarioError, validate_scenario
+
+    with pytest.raises(ScenarioError) as e:
+        validate_scenario(cluster_scenario(**cluster), file="c.yaml")
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_run_scenario_writes_cluster_results_per_router_and_replica(tmp_path):
+    from workbench.runner import run_scenario
+    from workbench.scenario import validate_scenario
+
+    sc = validate_scenario(cluster_scenario(routers=["round_robin", "prefix_aware"],
+                                            replicas=[{"engine": "h100", "count": 2}, {"engine": "a100", "count": 1}]))
+    res = run_scenario(sc, tmp_path)
+    c = res["cluster"]
+    assert c["num_replicas"] == 3 and list(c["routers"]) == ["round_robin", "prefix_aware"]
+    for router, r in c["routers"].items():
+        s = r["summary"]
+        assert s["num_finished"] + s["num_rejected"] + s["num_failed"] == s["num_requests"] == 16
+        assert [x["engine"] for x in r["replicas"]] == ["h100", "h100", "a100"]
+        assert sum(x["summary"]["num_requests"] for x in r["replicas"]) == 16
+        assert sum(x["summary"]["num_steps"] for x in r["replicas"]) == s["num_steps"]
+        csv = (tmp_path / f"cluster-{router}" / "requests.csv").read_text().splitlines()
+        assert len(csv) == 17 and csv[0].endswith(",replica")
+    assert [x["summary"]["num_requests"] for x in c["routers"]["round_robin"]["replicas"]] == [6, 5, 5]
+    assert "Cluster what-if" in (tmp_path / "report.html").read_text()

@@ -369,7 +369,8 @@ def _versions() -> dict:
 def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool = True, repeat: int = 1,
                  echo: Callable[[str], None] | None = None, sensitivity: bool = False) -> dict:
     """Run every engine of the scenario, write ``results.json``, per-engine CSVs, PNGs and ``report.html``
-    into ``out_dir``; returns the results dict.
+    into ``out_dir``; returns the results dict. With a ``cluster`` section, its what-if runs after the engines
+    (``workbench.cluster``: results.json ``cluster``, ``cluster-<router>/requests.csv``).
 
     ``progress`` (optional) is called as ``progress(engine_name, kind, total)`` and must return a
     callback taking each ``RequestOutput``. ``plots=False`` (sweep points) skips the PNGs and report.html.
@@ -512,6 +513,11 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     if drifts:
         results["drift"] = next((d for d in drifts.values() if d), None)
     add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()}, slowed)
+    if scenario.cluster is not None:  # the cluster what-if: the sim engines replicated behind each router
+        from workbench.cluster import run_scenario_cluster
+
+        results["cluster"] = run_scenario_cluster(scenario, trace, eos, model_dir, model_cfg,
+                                                  {n: m[0] for n, m in measured.items()}, out_dir, echo)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if not plots:
         return results
