@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from engines.core.config import ModelConfig
 from engines.core.llm_engine import LLMEngine
 from engines.core.router import make_router
 from engines.factory import EngineConfig, build_engine
@@ -61,25 +60,16 @@ def cluster_summary(run: ClusterRun, names: list[str], num_requests: int, slo: d
     return {"summary": summarize(run.outputs, steps, num_requests, slo), "replicas": per}
 
 
-def scenario_configs(scenario, model_dir: Path | None, model_cfg: ModelConfig | None,
-                     cost_models: dict) -> list[tuple[str, EngineConfig, int]]:
-    """``(engine name, EngineConfig, count)`` of each replica group of ``scenario.cluster``; ``cost_models``:
-    measured cost models by engine name (analytic engines need none)."""
-    from workbench.runner import engine_config
-
-    return [(r.engine, engine_config(scenario, scenario.engine(r.engine), model_dir, model_cfg,
-                                     cost_models.get(r.engine)), r.count) for r in scenario.cluster.replicas]
-
-
-def run_scenario_cluster(scenario, trace, eos, model_dir: Path | None, model_cfg: ModelConfig | None,
-                         cost_models: dict, out_dir: Path, echo: Callable[[str], None] | None = None) -> dict:
-    """Run ``scenario.cluster`` once per router; write ``cluster-<router>/requests.csv`` (with the replica
-    of each request) under ``out_dir``; returns results.json's ``cluster`` section."""
+def run_scenario_cluster(scenario, configs: list[tuple[str, EngineConfig, int]], trace, eos, out_dir: Path,
+                         echo: Callable[[str], None] | None = None) -> dict:
+    """Run ``scenario.cluster`` once per router on fresh replicas of ``configs`` (``(engine name,
+    EngineConfig, count)`` of each replica group, ``workbench.runner.cluster_configs``); write
+    ``cluster-<router>/requests.csv`` (with the replica of each request) under ``out_dir``; returns
+    results.json's ``cluster`` section."""
     from workbench.replay import make_requests
     from workbench.report import requests_frame
 
     cl = scenario.cluster
-    configs = scenario_configs(scenario, model_dir, model_cfg, cost_models)
     slo = scenario.slo.model_dump() if scenario.slo else None
     section = {"replicas": [r.model_dump() for r in cl.replicas], "num_replicas": cl.num_replicas,
                "max_imbalance": cl.max_imbalance, "routers": {}}
