@@ -273,6 +273,7 @@ COMMITTED_HASHES = {
     "scenarios/cluster-prefix.yaml": "4e9280b2075f5553",
     "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",
     "scenarios/paper/pagedattention_opt13b.yaml": "944a0520980a97f0",
+    "scenarios/plan-70b-azure-conv.yaml": "c281f0ea274d1476",
     "scenarios/peers/concurrency.yaml": "60e33cb6be33e5f8",
     "scenarios/prefix-sharing.yaml": "51e8e2a38b978065",
     "scenarios/quickstart.yaml": "b17ac7f8aafcecb1",
