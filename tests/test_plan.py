@@ -58,16 +58,18 @@ def tiny_scenario(tmp_path):
     return p
 
 
-def test_plan_command_sizes_each_choice_and_reports_infeasible_ones(tmp_path):
-    out = tmp_path / "out"
-    r = CliRunner().invoke(app, ["plan", str(tiny_scenario(tmp_path)), "--slo", "ttft_ms.p99=300",
-                                 "--hardware", "h100-sxm,a100-40gb", "--tp", "1", "--model", "llama-3.1-70b",
-                                 "--max-replicas", "16", "--out", str(out)])
-    assert r.exit_code == 1, r.output  # 70B fits neither 1 x h100-sxm nor 1 x a100-40gb
-    doc = json.loads((out / "plan.json").read_text())
-    assert [(x["hardware"], x["feasible"]) for x in doc["results"]] == [("h100-sxm", False), ("a100-40gb", False)]
-    assert "does not fit 1 x h100-sxm" in doc["results"][0]["reason"]
+def test_a_choice_whose_weights_do_not_fit_is_reported_not_run():
+    from engines.factory import EngineConfig
+    from workbench.plan import PlanTask, plan_choice
 
+    engine = EngineConfig(kind="sim", policy="paged", model="llama-3.1-70b", hardware="h100-sxm")
+    r = plan_choice(PlanTask("a100-40gb", 2, engine, [], None, {"ttft_ms.p99": 1.0}, "round_robin", 8, 4))
+    assert not r.feasible and r.replicas is None and r.points == []
+    assert r.reason.startswith("llama-3.1-70b (bf16) does not fit 2 x a100-40gb: weights 65.7 GiB")
+
+
+def test_plan_command_sizes_each_choice(tmp_path):
+    out = tmp_path / "out"
     r = CliRunner().invoke(app, ["plan", str(tiny_scenario(tmp_path)), "--slo", "ttft_ms.p99=300",
                                  "--hardware", "h100-sxm,a100-40gb", "--tp", "1,2", "--max-replicas", "16",
                                  "--out", str(out)])
