@@ -130,7 +130,8 @@ def _write(out_dir: Path, sc, task, limits, router, results, rows, trace_note) -
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"scenario": sc.name, "trace": trace_note, "model": task.engine.model, "slo": limits, "router": router,
            "max_replicas": task.max_replicas, "created": dt.datetime.now().isoformat(timespec="seconds"),
-           "engine": {k: v for k, v in asdict(task.engine).items() if v is not None and k != "cost_model"},
+           "engine": {k: v for k, v in asdict(task.engine).items()  # the template; hardware and tp per choice
+                      if v is not None and k not in ("cost_model", "hardware", "tp")},
            "cost_model": "analytic roofline with efficiency factors (engines.sim.analytic_cost_model); the "
                          "efficiency factors are not checked on a GPU",
            "results": [asdict(r) for r in results]}
