@@ -155,6 +155,12 @@ def min_replicas(probe: Callable[[int], PlanPoint], max_replicas: int) -> tuple[
     return ok, points
 
 
+def request_limits(slo: dict[str, float]) -> dict[str, float]:
+    """The per-request limits behind ``slo`` for goodput (``workbench.metrics``: a request counts when its own
+    TTFT, TPOT and E2EL meet them): ``ttft_ms.p99=2000`` -> ``ttft_ms: 2000``; other metrics are left out."""
+    return {k.split(".")[0]: v for k, v in slo.items() if k.split(".")[0] in ("ttft_ms", "tpot_ms", "e2el_ms")}
+
+
 def replica_config(template: EngineConfig, hardware: str, tp: int) -> EngineConfig:
     """``template`` on ``tp`` x ``hardware``."""
     return dataclasses.replace(template, hardware=hardware, tp=tp)
@@ -172,10 +178,12 @@ def plan_choice(task: PlanTask) -> PlanResult:
     except ValueError as e:  # CatalogError included
         return PlanResult(task.hardware, task.tp, False, reason=str(e))
 
+    per_request = request_limits(task.slo)
+
     def probe(n: int) -> PlanPoint:
         run = run_cluster([("replica", cfg, n)], task.router, make_requests(task.trace, task.eos),
                           task.max_concurrency, task.max_imbalance)
-        summary = cluster_summary(run, ["replica"] * n, len(task.trace), None)["summary"]
+        summary = cluster_summary(run, ["replica"] * n, len(task.trace), per_request)["summary"]
         return evaluate(summary, task.slo, n)
 
     best, points = min_replicas(probe, task.max_replicas)
