@@ -270,7 +270,7 @@ COMMITTED_HASHES = {
     "scenarios/ci-fidelity.yaml": "8ca445275077c090",
     "scenarios/ci-real.yaml": "5b5166807eeb6a4d",
     "scenarios/ci-sim.yaml": "48cbf7ef2d9911f3",
-    "scenarios/cluster-prefix.yaml": "4e9280b2075f5553",
+    "scenarios/cluster-prefix.yaml": "8e7e3c6e2dc8c027",
     "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",
     "scenarios/paper/pagedattention_opt13b.yaml": "944a0520980a97f0",
     "scenarios/plan-70b-azure-conv.yaml": "c281f0ea274d1476",
