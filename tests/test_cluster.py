@@ -125,6 +125,8 @@ def test_run_scenario_writes_cluster_results_per_router_and_replica(tmp_path):
     res = run_scenario(sc, tmp_path)
     c = res["cluster"]
     assert c["num_replicas"] == 3 and list(c["routers"]) == ["round_robin", "prefix_aware"]
+    assert 0 < c["prefix_cache_ideal_hit_rate"] < 1
+    assert all(r["summary"]["prefix_cache_hit_rate"] <= c["prefix_cache_ideal_hit_rate"] for r in c["routers"].values())
     for router, r in c["routers"].items():
         s = r["summary"]
         assert s["num_finished"] + s["num_rejected"] + s["num_failed"] == s["num_requests"] == 16

@@ -71,8 +71,12 @@ def run_scenario_cluster(scenario, configs: list[tuple[str, EngineConfig, int]],
 
     cl = scenario.cluster
     slo = scenario.slo.model_dump() if scenario.slo else None
+    from workbench.traces.prefix import ideal_prefix_hit_rate
+
+    # what one shared cache of unlimited size would hit (the bound no router can beat), at the first group's blocks
+    ideal = ideal_prefix_hit_rate([t.prompt_token_ids for t in trace], configs[0][1].block_size)["hit_rate"]
     section = {"replicas": [r.model_dump() for r in cl.replicas], "num_replicas": cl.num_replicas,
-               "max_imbalance": cl.max_imbalance, "routers": {}}
+               "max_imbalance": cl.max_imbalance, "prefix_cache_ideal_hit_rate": ideal, "routers": {}}
     for router in cl.router_names:
         run = run_cluster(configs, router, make_requests(trace, eos), scenario.trace.max_concurrency,
                           cl.max_imbalance)

@@ -325,7 +325,9 @@ def write_html(path: Path, results: dict, plots: dict[str, bytes]) -> None:
         c = results["cluster"]
         groups = ", ".join(f"{r['count']} x {r['engine']}" for r in c["replicas"])
         cluster = (f"<h2>Cluster what-if</h2><p>{c['num_replicas']} replicas ({html.escape(groups)}); "
-                   f"prefix_aware load bound {c['max_imbalance']} requests</p>{_table(*cluster_rows(results))}")
+                   f"prefix_aware load bound {c['max_imbalance']} requests; the trace's ideal prefix-cache hit rate (one "
+                   f"unlimited shared cache) {c.get('prefix_cache_ideal_hit_rate', 0.0):.1%}</p>"
+                   f"{_table(*cluster_rows(results))}")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(sc['name'])} - workbench report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1300px}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #bbb;padding:3px 7px;text-align:right}}th{{background:#eee}}td:first-child{{text-align:left}}
