@@ -115,7 +115,7 @@ def _route(ev: Event, router, replicas: list[LLMEngine], run: ClusterRun, users:
            fleet: _FleetLoad, heap: list[Event], order) -> int:
     """Send an arriving request to the replica the router picks; returns that replica's index."""
     req = ev.request
-    i = router.choose(req, replicas)
+    i = router.choose(req, replicas) if len(replicas) > 1 else 0  # one replica: nothing to choose
     if not 0 <= i < len(replicas):
         raise IndexError(f"router {getattr(router, 'name', router)!r} chose replica {i} of {len(replicas)}")
     eng = replicas[i]
