@@ -67,7 +67,7 @@ class _FleetLoad:
 def simulate_cluster(replicas: list[LLMEngine], router, requests: list[Request],
                      max_concurrency: int | None = None) -> ClusterRun:
     """Replay ``requests`` (``arrival_time`` in seconds) on simulated ``replicas`` behind ``router``
-    (``router.choose(request, replicas) -> index``, called at each arrival).
+    (``router.choose(request, replicas) -> index``, called at each arrival when there are several replicas).
 
     Raises:
         ValueError: no replicas, the same engine twice, or ``max_concurrency`` < 1. TypeError: a replica
