@@ -205,6 +205,29 @@ def capacity(scenario: str = typer.Argument(..., help="scenario YAML file (its s
 
 
 @app.command()
+def plan(scenario: str = typer.Argument(..., help="scenario YAML file (its trace is replayed; its analytic sim engine is replicated)"),
+         slo: List[str] = typer.Option([], "--slo", help="METRIC=LIMIT to meet, e.g. ttft_ms.p99=2000 (repeatable; "
+                                       "default: the slo section's limits at p99)"),
+         hardware: str = typer.Option(..., "--hardware", help="catalogue GPUs, comma-separated, e.g. h100-sxm,a100-80gb"),
+         tp: str = typer.Option("1", "--tp", help="tensor-parallel degrees, comma-separated, e.g. 1,2,4"),
+         model: Optional[str] = typer.Option(None, "--model", help="catalogue model (default: the engine's)"),
+         router: Optional[str] = typer.Option(None, "--router", help="round_robin | least_outstanding | least_kv | "
+                                              "prefix_aware (default: the cluster section's first, else least_outstanding)"),
+         max_replicas: int = typer.Option(64, "--max-replicas", help="the most replicas tried per choice"),
+         workers: int = typer.Option(1, "--workers", help="choices sized in parallel (processes, or Ray CPUs)"),
+         ray: bool = typer.Option(False, "--ray", help="run the choices as Ray tasks on a local Ray instance"),
+         engine: Optional[str] = typer.Option(None, "--engine", help="the sim engine to replicate (default: the "
+                                              "cluster section's, else the first analytic sim engine)"),
+         set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value"),
+         out: Optional[str] = typer.Option(None, "--out", help="folder for plan.json and plan.csv")) -> None:
+    """Fewest replicas per hardware x tp choice that meet the SLO on the trace (cluster simulator, doubling
+    then bisection); infeasible choices (weights do not fit) are reported, not run."""
+    from workbench.commands.plan import main
+
+    raise typer.Exit(main(scenario, slo, hardware, tp, model, router, max_replicas, workers, ray, engine, set_, out))
+
+
+@app.command()
 def compare(results: List[str] = typer.Argument(..., help="results.json files or run folders (first = reference)"),
             markdown: Optional[str] = typer.Option(None, "--markdown", help="also write the table as Markdown here"),
             metric: List[str] = typer.Option([], "--metric", help="dotted summary metric (repeatable; default: the main ones)"),

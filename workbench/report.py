@@ -296,6 +296,21 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
     return headers, rows
 
 
+def cluster_rows(results: dict) -> tuple[list[str], list[list]]:
+    """One row per router (cluster-wide, ``replica`` = all) and one per replica of the cluster what-if."""
+    headers = ["router", "replica", "engine", "requests", "finished", "rejected", "failed", "steps",
+               "prefix hit rate", "KV usage", "req/s", "output tok/s", "TTFT p99 ms", "TPOT p99 ms", "E2EL p99 ms"]
+    rows = []
+    for router, c in (results.get("cluster") or {}).get("routers", {}).items():
+        for label, engine, s in [("all", "", c["summary"])] + [(str(r["replica"]), r["engine"], r["summary"])
+                                                              for r in c["replicas"]]:
+            rows.append([router, label, engine, s["num_requests"], s["num_finished"], s["num_rejected"],
+                         s["num_failed"], s["num_steps"], f"{s['prefix_cache_hit_rate']:.1%}",
+                         f"{s['kv_usage_mean']:.1%}", s["request_throughput"], s["output_throughput"],
+                         s["ttft_ms"]["p99"], s["tpot_ms"]["p99"], s["e2el_ms"]["p99"]])
+    return headers, rows
+
+
 def write_html(path: Path, results: dict, plots: dict[str, bytes]) -> None:
     """One self-contained page: summary table, sim-vs-real errors, every plot inline, formulas."""
     imgs = "".join(
@@ -305,6 +320,14 @@ def write_html(path: Path, results: dict, plots: dict[str, bytes]) -> None:
     sim = _table(sim_h, sim_r) if sim_r else "<p>No simulated engine with a real engine of the same policy.</p>"
     formulas = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in results["formulas"].items())
     sc = results["scenario"]
+    cluster = ""
+    if results.get("cluster"):
+        c = results["cluster"]
+        groups = ", ".join(f"{r['count']} x {r['engine']}" for r in c["replicas"])
+        cluster = (f"<h2>Cluster what-if</h2><p>{c['num_replicas']} replicas ({html.escape(groups)}); "
+                   f"prefix_aware load bound {c['max_imbalance']} requests; the trace's ideal prefix-cache hit rate (one "
+                   f"unlimited shared cache) {c.get('prefix_cache_ideal_hit_rate', 0.0):.1%}</p>"
+                   f"{_table(*cluster_rows(results))}")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(sc['name'])} - workbench report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1300px}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #bbb;padding:3px 7px;text-align:right}}th{{background:#eee}}td:first-child{{text-align:left}}
@@ -315,7 +338,7 @@ model {html.escape(sc['model'])} &middot; {html.escape(results['created'])}</p>
 <h2>Load and capacity</h2><ul>{"".join(f"<li>{html.escape(x)}</li>" for x in load_lines(results))}</ul>
 <h2>Summary</h2>{_table(*summary_rows(results))}
 <h2>Simulator vs real</h2>{sim}
-<h2>Memory management</h2>{_table(*memory_rows(results))}
+<h2>Memory management</h2>{_table(*memory_rows(results))}{cluster}
 <h2>Plots</h2>{imgs}
 <h2>Formulas</h2><ul>{formulas}</ul>
 <script>/* render self-check, read by the tests through a headless browser */

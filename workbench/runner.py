@@ -120,6 +120,18 @@ def engine_config(scenario: Scenario, spec: EngineSpec, model_dir: Path | None,
     return EngineConfig(model=spec.model, model_config=model_cfg, cost_model=cm, step_noise=spec.step_noise, **sim)
 
 
+def cluster_configs(scenario: Scenario, model_dir: Path | None, model_cfg: ModelConfig | None,
+                    cost_models: dict[str, CostModel]) -> list[tuple[str, EngineConfig, int]]:
+    """``(engine name, EngineConfig, count)`` of each replica group of ``scenario.cluster``; ``cost_models``:
+    the measured cost models by engine name (analytic engines need none).
+
+    Raises:
+        ValueError: as :func:`engine_config`.
+    """
+    return [(r.engine, engine_config(scenario, scenario.engine(r.engine), model_dir, model_cfg,
+                                     cost_models.get(r.engine)), r.count) for r in scenario.cluster.replicas]
+
+
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
                on_output: Callable | None = None, runtime: dict | None = None, cost_model: CostModel | None = None,
                probe: bool = False, launch_pool=None, out_dir: Path | None = None):
@@ -369,7 +381,8 @@ def _versions() -> dict:
 def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool = True, repeat: int = 1,
                  echo: Callable[[str], None] | None = None, sensitivity: bool = False) -> dict:
     """Run every engine of the scenario, write ``results.json``, per-engine CSVs, PNGs and ``report.html``
-    into ``out_dir``; returns the results dict.
+    into ``out_dir``; returns the results dict. With a ``cluster`` section, its what-if runs after the engines
+    (``workbench.cluster``: results.json ``cluster``, ``cluster-<router>/requests.csv``).
 
     ``progress`` (optional) is called as ``progress(engine_name, kind, total)`` and must return a
     callback taking each ``RequestOutput``. ``plots=False`` (sweep points) skips the PNGs and report.html.
@@ -512,6 +525,11 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     if drifts:
         results["drift"] = next((d for d in drifts.values() if d), None)
     add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()}, slowed)
+    if scenario.cluster is not None:  # the cluster what-if: the sim engines replicated behind each router
+        from workbench.cluster import run_scenario_cluster
+
+        configs = cluster_configs(scenario, model_dir, model_cfg, {n: m[0] for n, m in measured.items()})
+        results["cluster"] = run_scenario_cluster(scenario, configs, trace, eos, out_dir, echo)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if not plots:
         return results

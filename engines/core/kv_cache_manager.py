@@ -387,6 +387,17 @@ class PagedKVCacheManager:
             external_frag=0,
         )
 
+    def num_cached_prefix_blocks(self, block_hashes: list) -> int:
+        """How many leading entries of ``block_hashes`` (chained full-block hashes, as
+        :meth:`block_hashes` makes them) are registered in the prefix cache, held or free; read-only (a
+        router's query: no hit is recorded, no block taken, stored token ids not compared)."""
+        cached, n = self.pool.cached, 0
+        for h in block_hashes:
+            if h not in cached:
+                break
+            n += 1
+        return n
+
 
 RESERVATION_POLICIES = ("max", "pow2", "oracle")
 

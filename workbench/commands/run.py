@@ -72,6 +72,8 @@ def print_summary(name: str, results: dict) -> None:
     table_console().print(table)
     for line in load_lines(results):
         print(line)
+    if results.get("cluster"):
+        print_cluster(results)
     from workbench.fidelity import summary_line
 
     for n, e in results["engines"].items():
@@ -105,3 +107,18 @@ def print_summary(name: str, results: dict) -> None:
     if any(v > SIM_ERROR_NOTE for v in errs):
         print(f"note: a simulator's output throughput is more than {SIM_ERROR_NOTE:.0%} off its real engine; "
               "if it names a profile of another machine, use cost_model: auto (this machine's profile)")
+
+
+def print_cluster(results: dict) -> None:
+    """The cluster what-if's table: each router's cluster-wide row, then its replicas' rows."""
+    from rich.table import Table
+
+    from workbench.report import cluster_rows
+
+    headers, rows = cluster_rows(results)
+    table = Table(title=f"cluster what-if: {results['cluster']['num_replicas']} replicas")
+    for h in headers:
+        table.add_column(h, justify="right")
+    for r in rows:
+        table.add_row(*[f"{c:.4g}" if isinstance(c, float) else "n/a" if c is None else str(c) for c in r])
+    table_console().print(table)

@@ -37,7 +37,8 @@ from workbench.scenario.engine_spec import (ANALYTIC, AUTO, BUILTIN_COST_MODELS,
 from workbench.scenario.hashing import scenario_hash
 from workbench.scenario.load import load_scenario, validate_scenario
 from workbench.scenario.overrides import apply_overrides, parse_overrides
-from workbench.scenario.schema import LoadSpec, Scenario, SLOSpec, SyntheticSpec, TraceFormat, TraceSpec
+from workbench.scenario.schema import (ClusterSpec, LoadSpec, ReplicaSpec, RouterName, Scenario, SLOSpec, SyntheticSpec,
+                                       TraceFormat, TraceSpec)
 from workbench.scenario.trace import load_scenario_trace
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "BUILTIN_COST_MODELS",
     "BUILTIN_PREFIX",
     "BuiltEngineSpec",
+    "ClusterSpec",
     "ENGINE_KINDS",
     "ENGINE_MODELS",
     "EngineSpec",
@@ -58,6 +60,8 @@ __all__ = [
     "PagedEngineSpec",
     "PagedPolicyKnobs",
     "REAL_KINDS",
+    "ReplicaSpec",
+    "RouterName",
     "RealEngineSpec",
     "SLOSpec",
     "Scenario",

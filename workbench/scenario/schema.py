@@ -9,10 +9,13 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from workbench.scenario.common import BUILTIN_PREFIX, SpecModel, resolve_path
+from engines.core.router import DEFAULT_MAX_IMBALANCE, ROUTERS
+from workbench.scenario.common import BUILTIN_PREFIX, SpecModel, field_error, resolve_path
 from workbench.scenario.engine_spec import ANALYTIC, AUTO, EngineSpec
 from workbench.traces import FORMATS
 
+RouterName = Literal["round_robin", "least_outstanding", "least_kv", "prefix_aware"]
+assert get_args(RouterName) == ROUTERS
 TraceFormat = Literal["azure", "mooncake", "burstgpt", "sharegpt", "vidur", "apex", "synthetic"]
 assert set(get_args(TraceFormat)) == set(FORMATS)
 
@@ -177,6 +180,49 @@ class TraceSpec(SpecModel):
         return self
 
 
+class ReplicaSpec(SpecModel):
+    """``count`` replicas of the scenario's sim engine named ``engine`` (each a fresh engine: its own KV pool,
+    prefix cache and clock)."""
+
+    engine: str = Field(min_length=1)
+    count: int = Field(1, ge=1, le=4096)
+
+
+class ClusterSpec(SpecModel):
+    """A cluster what-if (``engines.sim.cluster``): replicas of the scenario's sim engines behind a router,
+    replaying the whole trace.
+
+    Attributes:
+        replicas: groups of replicas (:class:`ReplicaSpec`); mixed hardware allowed.
+        router: the router (``engines.core.router.ROUTERS``), or
+        routers: several, each run on fresh replicas (one cluster result per router); default round_robin.
+        max_imbalance: prefix_aware's load bound, requests: only replicas with at most this many more
+            requests in flight than the least loaded one are considered.
+    """
+
+    replicas: list[ReplicaSpec] = Field(min_length=1)
+    router: RouterName | None = None
+    routers: list[RouterName] | None = Field(None, min_length=1)
+    max_imbalance: int = Field(DEFAULT_MAX_IMBALANCE, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        if self.router is not None and self.routers is not None:
+            raise field_error("routers", "set router (one) or routers (several), not both")
+        if self.routers is not None and len(set(self.routers)) != len(self.routers):
+            raise field_error("routers", f"a router is listed twice: {', '.join(self.routers)}")
+        return self
+
+    @property
+    def router_names(self) -> list[str]:
+        """The routers to run, in order."""
+        return list(self.routers or [self.router or "round_robin"])
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(r.count for r in self.replicas)
+
+
 class SLOSpec(SpecModel):
     """Latency targets in milliseconds: time to first token, time per output token, end-to-end latency."""
 
@@ -201,6 +247,7 @@ class Scenario(SpecModel):
         trace: what to replay (:class:`TraceSpec`).
         engines: one or more engines (:data:`EngineSpec`), names unique.
         slo: latency targets for goodput (:class:`SLOSpec`), or None.
+        cluster: a cluster what-if over the sim engines (:class:`ClusterSpec`), or None.
         description: free text.
     """
 
@@ -210,6 +257,7 @@ class Scenario(SpecModel):
     trace: TraceSpec
     engines: list[EngineSpec] = Field(min_length=1)
     slo: SLOSpec | None = None
+    cluster: ClusterSpec | None = None
     description: str | None = None
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -234,6 +282,20 @@ class Scenario(SpecModel):
             if kinds[load.engine] == "openai":
                 raise ValueError(f"trace.load.engine: {load.engine} is kind openai; the capacity probe runs an "
                                  "engine of kind paged, static or sim")
+        return self
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> "Scenario":
+        if self.cluster is None:
+            return self
+        kinds = {e.name: e.kind for e in self.engines}
+        for i, r in enumerate(self.cluster.replicas):
+            if r.engine not in kinds:
+                raise field_error(f"cluster.replicas.{i}.engine",
+                                  f"no engine named {r.engine!r}; engines: {', '.join(kinds)}")
+            if kinds[r.engine] != "sim":
+                raise field_error(f"cluster.replicas.{i}.engine", f"{r.engine} is kind {kinds[r.engine]}; "
+                                  "a cluster what-if replicates sim engines only")
         return self
 
     @property
