@@ -20,10 +20,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from engines.core.llm_engine import LLMEngine, RequestOutput
 from engines.core.request import Request
-from engines.sim.simulator import ArrivalEvent, ClosedLoopUsers, Event, StepEndEvent, VirtualClock
+from engines.sim.simulator import (ArrivalEvent, ClosedLoopUsers, Event, OutputSink, StepEndEvent, VirtualClock, drain_steps,
+                                   push)
 
 
 @dataclass
@@ -46,6 +48,9 @@ class ClusterRun:
     outputs: list[RequestOutput]
     replica_of: dict[str, int]
     replicas: list[LLMEngine] = field(default_factory=list)
+    # streaming (see simulate_cluster): where step records go, and every how many steps of a replica
+    on_steps: Callable[[list], None] | None = field(default=None, repr=False)
+    steps_window: int = 4096
 
     def outputs_of(self, replica: int) -> list[RequestOutput]:
         """The outputs of the requests replica ``replica`` served."""
@@ -64,10 +69,16 @@ class _FleetLoad:
         return sum(r.scheduler.num_unanswered() for r in self.replicas)
 
 
-def simulate_cluster(replicas: list[LLMEngine], router, requests: list[Request],
-                     max_concurrency: int | None = None) -> ClusterRun:
+def simulate_cluster(replicas: list[LLMEngine], router, requests: Iterable[Request],
+                     max_concurrency: int | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+                     on_steps: Callable[[list], None] | None = None, steps_window: int = 4096) -> ClusterRun:
     """Replay ``requests`` (``arrival_time`` in seconds) on simulated ``replicas`` behind ``router``
     (``router.choose(request, replicas) -> index``, called at each arrival when there are several replicas).
+
+    ``requests``: a list, or an iterable in arrival order read lazily (``engines.sim.simulator.ClosedLoopUsers``).
+    For a simulated day: ``on_output`` takes each output as it ends (``ClusterRun.outputs`` stays empty), and
+    ``on_steps`` takes each replica's step records every ``steps_window`` of its steps (all but its last; the
+    rest stay on the replicas), as ``engines.sim.simulator.simulate`` does.
 
     Raises:
         ValueError: no replicas, the same engine twice, or ``max_concurrency`` < 1. TypeError: a replica
@@ -76,14 +87,15 @@ def simulate_cluster(replicas: list[LLMEngine], router, requests: list[Request],
     """
     _check(replicas)
     order = itertools.count()
-    heap: list[Event] = []
+    heap: list[tuple[float, int, Event]] = []
     fleet = _FleetLoad(replicas)
     users = ClosedLoopUsers(requests, max_concurrency)
     users.send(fleet, 0.0, heap, order)
-    run = ClusterRun([], {}, replicas)
+    run = ClusterRun(OutputSink(on_output), {}, replicas)
+    run.on_steps, run.steps_window = on_steps, steps_window
     busy = [False] * len(replicas)
     while heap:
-        ev = heapq.heappop(heap)
+        ev = heapq.heappop(heap)[2]
         touched = []
         if isinstance(ev, ArrivalEvent):
             touched.append(_route(ev, router, replicas, run, users, fleet, heap, order))
@@ -91,13 +103,14 @@ def simulate_cluster(replicas: list[LLMEngine], router, requests: list[Request],
             replicas[ev.replica].clock.now = max(replicas[ev.replica].clock.now, ev.time)
             busy[ev.replica] = False
             touched.append(ev.replica)
-        while heap and isinstance(heap[0], ArrivalEvent) and heap[0].time <= ev.time:
-            touched.append(_route(heapq.heappop(heap), router, replicas, run, users, fleet, heap, order))
+        while heap and heap[0][0] <= ev.time and isinstance(heap[0][2], ArrivalEvent):
+            touched.append(_route(heapq.heappop(heap)[2], router, replicas, run, users, fleet, heap, order))
         for i in dict.fromkeys(touched):  # each touched replica once, in order
             busy[i] = busy[i] or _start_step(i, replicas, run, users, fleet, heap, order)
     stuck = sum(len(r.scheduler.requests) for r in replicas if r.has_unfinished())
     if stuck:
         raise RuntimeError(f"cluster simulation stalled: {stuck} requests can never be scheduled")
+    run.outputs = list(run.outputs)
     return run
 
 
@@ -112,7 +125,7 @@ def _check(replicas: list[LLMEngine]) -> None:
 
 
 def _route(ev: Event, router, replicas: list[LLMEngine], run: ClusterRun, users: ClosedLoopUsers,
-           fleet: _FleetLoad, heap: list[Event], order) -> int:
+           fleet: _FleetLoad, heap: list[tuple[float, int, Event]], order) -> int:
     """Send an arriving request to the replica the router picks; returns that replica's index."""
     req = ev.request
     i = router.choose(req, replicas) if len(replicas) > 1 else 0  # one replica: nothing to choose
@@ -126,18 +139,22 @@ def _route(ev: Event, router, replicas: list[LLMEngine], run: ClusterRun, users:
     if rejected is not None:
         run.outputs.append(rejected)
         users.send(fleet, eng.clock(), heap, order)  # a rejected request ends at once and frees its user
+    elif users.lazy and users.limit is None:
+        users.send(fleet, eng.clock(), heap, order)  # read the next arrival
     return i
 
 
 def _start_step(i: int, replicas: list[LLMEngine], run: ClusterRun, users: ClosedLoopUsers, fleet: _FleetLoad,
-                heap: list[Event], order) -> bool:
+                heap: list[tuple[float, int, Event]], order) -> bool:
     """Run one step on idle replica ``i`` if it has work; returns whether it is now busy."""
     eng = replicas[i]
     if not eng.has_unfinished():
         return False
     run.outputs.extend(eng.step())
     users.send(fleet, eng.clock.now, heap, order)  # requests that ended in the step free their users
+    if run.on_steps is not None and len(eng.steps) > run.steps_window:
+        drain_steps(eng, run.on_steps)
     if eng.steps[-1].num_seqs == 0:
         return False  # nothing could be scheduled: wait for the next arrival
-    heapq.heappush(heap, ReplicaStepEnd(eng.clock.now, next(order), replica=i))
+    push(heap, ReplicaStepEnd(eng.clock.now, next(order), replica=i))
     return True

@@ -202,7 +202,7 @@ class ClosedLoopUsers:
         self.sent -= 1
 
 
-class _Sink(list):
+class OutputSink(list):
     """Where ``simulate`` puts the outputs: kept in the list, or handed to ``on_output`` one by one."""
 
     def __init__(self, on_output: Callable[[RequestOutput], None] | None) -> None:
@@ -245,7 +245,7 @@ def simulate(engine: LLMEngine, requests: Iterable[Request], max_concurrency: in
     heap: list[tuple[float, int, Event]] = []
     users = ClosedLoopUsers(requests, max_concurrency)
     users.send(engine, clock.now, heap, order)
-    outputs = _Sink(on_output)
+    outputs = OutputSink(on_output)
     busy = False
     while heap:
         ev = heapq.heappop(heap)[2]
