@@ -69,9 +69,15 @@ class DayMetrics:
         self.first_arrival, self.last_finish = float("inf"), 0.0
         self.steps = self.preemptions = 0
         self.busy_s = 0.0
+        self.t0 = time.perf_counter()
 
     def output(self, o) -> None:
-        """Take one ``RequestOutput``: a rejection is counted, a finished request's latencies kept (s)."""
+        """Take one ``RequestOutput``: a rejection is counted, a finished request's latencies kept (s); every
+        100,000 outputs a progress line (wall s, simulated s, steps so far) goes to stderr."""
+        if (self.finished + self.rejected) % 100_000 == 0 and self.finished + self.rejected:
+            print(f"{self.finished + self.rejected} requests ended, {time.perf_counter() - self.t0:.0f} s wall, "
+                  f"simulated {o.finished_time:.0f} s, {self.steps} steps drained, "
+                  f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MiB", file=sys.stderr, flush=True)
         if o.finish_reason == "rejected":
             self.rejected += 1
             return
@@ -135,7 +141,7 @@ def main() -> None:
     served = [0] * a.replicas
     for i in run.replica_of.values():
         served[i] += 1
-    res = {"requests": a.requests, "duration_s": a.duration_s, "replicas": a.replicas, "model": a.model,
+    res = {"requests": a.requests, "day_s": a.duration_s, "replicas": a.replicas, "model": a.model,
            "hardware": a.hardware, "tp": a.tp, "router": a.router,
            "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "steps": m.steps,
            "us_per_replica_step": round(1e6 * cpu / max(m.steps, 1), 1),

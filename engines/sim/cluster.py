@@ -28,7 +28,7 @@ from engines.sim.simulator import (ArrivalEvent, ClosedLoopUsers, Event, OutputS
                                    push)
 
 
-@dataclass
+@dataclass(slots=True)
 class ReplicaStepEnd(StepEndEvent):
     """Replica ``replica`` finished a step."""
 
@@ -94,8 +94,16 @@ def simulate_cluster(replicas: list[LLMEngine], router, requests: Iterable[Reque
     run = ClusterRun(OutputSink(on_output), {}, replicas)
     run.on_steps, run.steps_window = on_steps, steps_window
     busy = [False] * len(replicas)
+    pop = heapq.heappop
     while heap:
-        ev = heapq.heappop(heap)[2]
+        ev = pop(heap)[2]
+        if type(ev) is ReplicaStepEnd and not (heap and heap[0][0] <= ev.time and isinstance(heap[0][2], ArrivalEvent)):
+            # the common event, a step end with no arrival at the same time: what the general path below does
+            i, clock = ev.replica, replicas[ev.replica].clock
+            if clock.now < ev.time:
+                clock.now = ev.time
+            busy[i] = _start_step(i, replicas, run, users, fleet, heap, order)
+            continue
         touched = []
         if isinstance(ev, ArrivalEvent):
             touched.append(_route(ev, router, replicas, run, users, fleet, heap, order))

@@ -99,7 +99,7 @@ class CostModelExecutor:
         pass
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """An event on the heap, ordered by time, then by insertion order."""
 
@@ -120,9 +120,13 @@ def push(heap: list[tuple[float, int, Event]], event: Event) -> None:
 class ArrivalEvent(Event):
     """A request arrives and joins the scheduler's waiting queue."""
 
+    __slots__ = ()
+
 
 class StepEndEvent(Event):
     """The engine finished a step; it starts the next one if it has work."""
+
+    __slots__ = ()
 
 
 def make_sim_engine(scheduler: Scheduler, cost_model: CostModel, block_bytes: int = 0,
