@@ -84,3 +84,72 @@ def test_bad_input_is_one_line_naming_the_field(tiny_llama_dir):
         replay_cluster_realtime(reps, make_router("round_robin"), [], max_concurrency=2)
     with pytest.raises(ValueError, match="twice"):
         replay_cluster_realtime(reps * 2, make_router("round_robin"), [])
+
+
+# ------------------------------------------------------------------------------- scenario cluster section
+def real_cluster_scenario(model_dir, trace=None, **cluster):
+    return {"name": "c", "model": str(model_dir),
+            "trace": trace or {"format": "mooncake", "path": "builtin:shared_prefix_mooncake.jsonl", "limit": 12,
+                               "block_tokens": 16, "request_rate": 20.0},
+            "engines": [{"name": "paged", "kind": "paged", "kv_cache_tokens": 4096, "max_model_len": 512},
+                        {"name": "sim-paged", "kind": "sim", "cost_model": "builtin:ci-reference",
+                         "kv_cache_tokens": 4096, "max_model_len": 512},
+                        {"name": "h100", "kind": "sim", "cost_model": "analytic", "hardware": "h100-sxm",
+                         "model": "llama-3.2-1b"},
+                        {"name": "static", "kind": "static"}],
+            "cluster": {"replicas": [{"engine": "paged", "count": 2}], **cluster}}
+
+
+@pytest.mark.parametrize("cluster, message", [
+    ({"replicas": [{"engine": "paged"}, {"engine": "h100"}]},
+     "c.yaml: cluster.replicas.1.engine: h100 is kind sim, replicas.0 kind paged; a cluster is all sim or all real"),
+    ({"replicas": [{"engine": "static"}]}, "c.yaml: cluster.replicas.0.engine: static is kind static; a cluster"),
+    ({"twin": "paged"}, "c.yaml: cluster.twin: 'paged' is not a sim engine of this scenario"),
+    ({"replicas": [{"engine": "h100"}], "twin": "sim-paged"},
+     "c.yaml: cluster.twin: a twin is for a cluster of real replicas"),
+])
+def test_bad_real_cluster_sections_are_one_line_errors(tmp_path, cluster, message):
+    from workbench.scenario import ScenarioError, validate_scenario
+
+    with pytest.raises(ScenarioError) as e:
+        validate_scenario(real_cluster_scenario(tmp_path, **cluster), file="c.yaml", check_files=False)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_real_cluster_refuses_closed_loop_users(tmp_path):
+    from workbench.scenario import ScenarioError, validate_scenario
+
+    trace = {"format": "mooncake", "path": "builtin:shared_prefix_mooncake.jsonl", "max_concurrency": 4}
+    with pytest.raises(ScenarioError, match="c.yaml: trace.max_concurrency: closed-loop users are not supported"):
+        validate_scenario(real_cluster_scenario(tmp_path, trace), file="c.yaml", check_files=False)
+
+
+def test_scenario_cluster_runs_real_replicas_and_their_sim_twin(tiny_llama_dir, tmp_path):
+    from engines.core.config import ModelConfig
+    from engines.sim.cost_model import CostModel
+    from workbench.cluster import run_scenario_cluster
+    from workbench.scenario import validate_scenario
+    from workbench.traces import TraceRequest
+
+    sc = validate_scenario(real_cluster_scenario(tiny_llama_dir, routers=["round_robin", "prefix_aware"],
+                                                 twin="sim-paged"), check_files=False)
+    real = EngineConfig(kind="paged", model=tiny_llama_dir, kv_cache_tokens=2048, max_model_len=512,
+                        attention_backend="torch")
+    cm = CostModel({"const": 0.002, "tokens": 0.0001, "decode_ctx": 0.0, "prefill_attn": 0.0, "sampled": 0.0})
+    twin = EngineConfig(kind="sim", model_config=ModelConfig.from_dir(tiny_llama_dir), cost_model=cm,
+                        kv_cache_tokens=2048, max_model_len=512)
+    trace = [TraceRequest(r.request_id, r.arrival_time, len(r.prompt_token_ids), 4, r.prompt_token_ids)
+             for r in shared_prefix_requests(n=12)]
+    section = run_scenario_cluster(sc, [("paged", real, 2)], trace, None, tmp_path, twin_configs=[("sim-paged", twin, 2)])
+    assert section["real"] and section["num_replicas"] == 2
+    for runs in (section["routers"], section["twin"]["routers"]):
+        assert list(runs) == ["round_robin", "prefix_aware"]
+        for r in runs.values():
+            s = r["summary"]
+            assert s["num_finished"] == s["num_requests"] == 12
+            assert sum(x["summary"]["num_requests"] for x in r["replicas"]) == 12
+    err = section["twin"]["error"]["prefix_aware"]
+    assert set(err) == {"prefix_cache_hit_rate_points", "ttft_p99_ratio", "output_throughput_ratio"}
+    assert 0 < section["routers"]["round_robin"]["parallel_speedup"] and "parallel_speedup" not in section["twin"]["routers"]["round_robin"]
+    assert (tmp_path / "cluster-prefix_aware" / "requests.csv").exists()
+    assert (tmp_path / "cluster-twin-round_robin" / "requests.csv").exists()

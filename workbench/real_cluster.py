@@ -167,3 +167,41 @@ def _step(rep: _Replica) -> list[RequestOutput]:
     except Exception as e:  # keep every request accounted for
         rep.failed = f"engine step failed: {type(e).__name__}: {e}"
         return _fail_all(rep.engine, rep.failed)
+
+
+def parallel_speedup(workers: int = 2, gemms: int = 40) -> float:
+    """How many cores ``workers`` Python threads (one torch thread each) get now: the time of ``gemms``
+    single-thread float32 GEMMs (512 x 576 x 1536, a SmolLM2 prefill's MLP shape) in one thread, times
+    ``workers``, over the time of ``workers`` threads running ``gemms`` each at once. About ``workers`` when each
+    replica of a real cluster has its own core; about 1 when other work leaves them one core between them.
+    Takes about ``gemms`` x (1 + 1) x 20 ms on a 2-core AMD EPYC. torch's thread count is restored.
+
+    Raises:
+        ValueError: ``workers`` or ``gemms`` < 1.
+    """
+    if workers < 1 or gemms < 1:
+        raise ValueError(f"workers and gemms must be >= 1, got {workers} and {gemms}")
+    import torch
+
+    a, b = torch.randn(512, 576), torch.randn(576, 1536)
+
+    def work() -> None:
+        torch.set_num_threads(1)
+        for _ in range(gemms):
+            a @ b
+
+    before = torch.get_num_threads()
+    try:
+        work()  # warm
+        t0 = time.perf_counter()
+        work()
+        one = time.perf_counter() - t0
+        threads = [threading.Thread(target=work) for _ in range(workers)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return workers * one / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
