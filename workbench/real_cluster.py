@@ -6,12 +6,13 @@ each replica gets about one core. A dispatcher (the calling thread) sends each r
 (seconds on one shared relative clock, 0 when the replay starts, as ``workbench.replay.replay_realtime``) to
 the replica ``router.choose(request, replicas)`` picks.
 
-Consistency: each replica has a lock held for the whole of each of its steps; the dispatcher holds every
-replica's lock (taken in index order) while the router reads them and the request is added. The router
-therefore sees each replica between steps, as the cluster simulator's router sees a busy replica at the end
-of its current step, and ``add_request`` never races a step. The price: a request is added when the step in
-progress on every replica has ended (at most one step late, counted in its TTFT since ``arrival_time`` stays
-the trace's).
+Consistency: each replica has a lock held for the whole of each of its steps; at an arrival the dispatcher
+closes a gate (no replica starts a new step), takes every replica's lock (in index order) as the steps in
+progress end, lets the router read them and adds the request, then opens the gate. The router therefore sees
+each replica between steps, as the cluster simulator's router sees a busy replica at the end of its current
+step, and ``add_request`` never races a step. The price: a request is added when the step in progress on
+every replica has ended (at most one step late, counted in its TTFT since ``arrival_time`` stays the
+trace's), and a replica whose step ended first waits for the others' meanwhile.
 
 Every request ends finished, rejected or failed: a step that raises fails that replica's unfinished requests
 with the error as reason, and the requests the router sends to it afterwards fail at once; the other replicas
@@ -23,7 +24,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from engines.core.llm_engine import LLMEngine, RequestOutput
@@ -43,6 +44,31 @@ class _Replica:
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake: threading.Event = field(default_factory=threading.Event)
     failed: str | None = None  # the reason, once a step raised
+
+
+class _Gate:
+    """Closed while the dispatcher routes a request: replicas start no step then (so the dispatcher, waiting
+    for the steps in progress, is not overtaken by the next ones)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.closed = False
+
+    def wait_open(self) -> None:
+        with self.cond:
+            while self.closed:
+                self.cond.wait()
+
+    @contextmanager
+    def close(self):
+        with self.cond:
+            self.closed = True
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.closed = False
+                self.cond.notify_all()
 
 
 class _Outputs:
@@ -75,7 +101,7 @@ def replay_cluster_realtime(replicas: list[LLMEngine], router, requests: list[Re
     import torch
 
     reps = [_Replica(i, e) for i, e in enumerate(replicas)]
-    run, outputs, done = ClusterRun([], {}, list(replicas)), _Outputs(), threading.Event()
+    run, outputs, done, gate = ClusterRun([], {}, list(replicas)), _Outputs(), threading.Event(), _Gate()
     clock = _RelativeClock()
     for r in reps:
         r.engine.clock = clock
@@ -83,12 +109,12 @@ def replay_cluster_realtime(replicas: list[LLMEngine], router, requests: list[Re
     torch.set_num_threads(threads_per_replica)
     gc.collect()
     gc.freeze()  # as replay_realtime: earlier heaps out of the collector's reach
-    workers = [threading.Thread(target=_worker, args=(r, outputs, done, threads_per_replica),
+    workers = [threading.Thread(target=_worker, args=(r, outputs, done, gate, threads_per_replica),
                                 name=f"replica-{r.index}", daemon=True) for r in reps]
     try:
         for w in workers:
             w.start()
-        _dispatch(reps, router, sorted(requests, key=lambda q: q.arrival_time), run, outputs, clock)
+        _dispatch(reps, router, sorted(requests, key=lambda q: q.arrival_time), run, outputs, clock, gate)
     finally:
         done.set()
         for r in reps:
@@ -113,12 +139,12 @@ def _check(replicas: list[LLMEngine], max_concurrency: int | None, threads: int)
 
 
 def _dispatch(reps: list[_Replica], router, pending: list[Request], run: ClusterRun, outputs: _Outputs,
-              clock: _RelativeClock) -> None:
+              clock: _RelativeClock, gate: _Gate) -> None:
     """Send each request, at its arrival time, to the replica the router picks."""
     engines = [r.engine for r in reps]
     for req in pending:
         time.sleep(max(0.0, req.arrival_time - clock()))
-        with ExitStack() as stack:
+        with gate.close(), ExitStack() as stack:
             for r in reps:  # index order: no deadlock with a worker, which holds only its own lock
                 stack.enter_context(r.lock)
             i = router.choose(req, engines) if len(reps) > 1 else 0
@@ -140,12 +166,13 @@ def _add(rep: _Replica, req: Request) -> list[RequestOutput]:
     return [out] if out is not None else []
 
 
-def _worker(rep: _Replica, outputs: _Outputs, done: threading.Event, threads: int) -> None:
+def _worker(rep: _Replica, outputs: _Outputs, done: threading.Event, gate: _Gate, threads: int) -> None:
     """Step ``rep`` while it has work; sleep when idle; return when the dispatcher is done and nothing is left."""
     import torch
 
     torch.set_num_threads(threads)  # this thread's intra-op pool, as the caller's
     while True:
+        gate.wait_open()
         with rep.lock:
             busy = rep.failed is None and rep.engine.has_unfinished()
             if busy:
