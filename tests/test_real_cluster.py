@@ -128,6 +128,7 @@ def test_scenario_cluster_runs_real_replicas_and_their_sim_twin(tiny_llama_dir, 
     from engines.core.config import ModelConfig
     from engines.sim.cost_model import CostModel
     from workbench.cluster import run_scenario_cluster
+    from workbench.report import cluster_rows
     from workbench.scenario import validate_scenario
     from workbench.traces import TraceRequest
 
@@ -150,6 +151,10 @@ def test_scenario_cluster_runs_real_replicas_and_their_sim_twin(tiny_llama_dir, 
             assert sum(x["summary"]["num_requests"] for x in r["replicas"]) == 12
     err = section["twin"]["error"]["prefix_aware"]
     assert set(err) == {"prefix_cache_hit_rate_points", "ttft_p99_ratio", "output_throughput_ratio"}
-    assert 0 < section["routers"]["round_robin"]["parallel_speedup"] and "parallel_speedup" not in section["twin"]["routers"]["round_robin"]
+    assert 0 < section["routers"]["round_robin"]["parallel_speedup"]
+    assert "parallel_speedup" not in section["twin"]["routers"]["round_robin"]
+    _, rows = cluster_rows({"cluster": section})
+    assert [r[0] for r in rows if r[1] == "all"] == ["round_robin", "prefix_aware", "round_robin (sim twin)",
+                                                     "prefix_aware (sim twin)"]
     assert (tmp_path / "cluster-prefix_aware" / "requests.csv").exists()
     assert (tmp_path / "cluster-twin-round_robin" / "requests.csv").exists()
