@@ -158,3 +158,19 @@ def test_scenario_cluster_runs_real_replicas_and_their_sim_twin(tiny_llama_dir, 
                                                      "prefix_aware (sim twin)"]
     assert (tmp_path / "cluster-prefix_aware" / "requests.csv").exists()
     assert (tmp_path / "cluster-twin-round_robin" / "requests.csv").exists()
+
+
+def test_requests_a_replica_can_never_schedule_fail_as_stalled(tiny_llama_dir):
+    from types import SimpleNamespace
+
+    reps = replicas(tiny_llama_dir)
+
+    def stuck_step():  # schedules nothing, as a replica whose requests can never fit
+        reps[1].steps.append(SimpleNamespace(num_seqs=0))
+        return []
+
+    reps[1].step = stuck_step
+    run = replay_cluster_realtime(reps, make_router("round_robin"), shared_prefix_requests(n=4))
+    assert len(run.outputs) == 4
+    stalled = [o for o in run.outputs if o.finish_reason == "failed"]
+    assert sorted(o.request_id for o in stalled) == ["r1", "r3"] and all("stalled" in o.error for o in stalled)

@@ -16,7 +16,7 @@ trace's), and a replica whose step ended first waits for the others' meanwhile.
 
 Every request ends finished, rejected or failed: a step that raises fails that replica's unfinished requests
 with the error as reason, and the requests the router sends to it afterwards fail at once; the other replicas
-go on.
+go on. Requests a replica still holds at the end without being able to schedule them fail as stalled.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from engines.sim.cluster import ClusterRun
 from workbench.replay import _fail_all, _RelativeClock
 
 IDLE_WAIT_S = 0.05  # seconds an idle replica sleeps before looking again (a new request wakes it at once)
+STALLED = "replica stalled: the request could never be scheduled"
 
 
 @dataclass
@@ -123,6 +124,9 @@ def replay_cluster_realtime(replicas: list[LLMEngine], router, requests: list[Re
             w.join()
         gc.unfreeze()
         torch.set_num_threads(before)
+    for r in reps:  # a replica left with requests it could never schedule: they fail, so counts add up
+        if r.failed is None and r.engine.has_unfinished():
+            outputs.extend(_fail_all(r.engine, STALLED))
     run.outputs = outputs.items
     return run
 
