@@ -103,13 +103,13 @@ def replay_cluster_realtime(replicas: list[LLMEngine], router, requests: list[Re
 
     reps = [_Replica(i, e) for i, e in enumerate(replicas)]
     run, outputs, done, gate = ClusterRun([], {}, list(replicas)), _Outputs(), threading.Event(), _Gate()
-    clock = _RelativeClock()
-    for r in reps:
-        r.engine.clock = clock
     before = torch.get_num_threads()
     torch.set_num_threads(threads_per_replica)
     gc.collect()
     gc.freeze()  # as replay_realtime: earlier heaps out of the collector's reach
+    clock = _RelativeClock()  # time 0: after the collection, as the workers start
+    for r in reps:
+        r.engine.clock = clock
     workers = [threading.Thread(target=_worker, args=(r, outputs, done, gate, threads_per_replica),
                                 name=f"replica-{r.index}", daemon=True) for r in reps]
     try:
