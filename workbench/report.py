@@ -297,11 +297,15 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
 
 
 def cluster_rows(results: dict) -> tuple[list[str], list[list]]:
-    """One row per router (cluster-wide, ``replica`` = all) and one per replica of the cluster what-if."""
+    """One row per router (cluster-wide, ``replica`` = all) and one per replica of the cluster; a real
+    cluster's sim twin follows, its routers marked ``(sim twin)``."""
     headers = ["router", "replica", "engine", "requests", "finished", "rejected", "failed", "steps",
                "prefix hit rate", "KV usage", "req/s", "output tok/s", "TTFT p99 ms", "TPOT p99 ms", "E2EL p99 ms"]
     rows = []
-    for router, c in (results.get("cluster") or {}).get("routers", {}).items():
+    cl = results.get("cluster") or {}
+    runs = [(router, c) for router, c in cl.get("routers", {}).items()]
+    runs += [(f"{router} (sim twin)", c) for router, c in (cl.get("twin") or {}).get("routers", {}).items()]
+    for router, c in runs:
         for label, engine, s in [("all", "", c["summary"])] + [(str(r["replica"]), r["engine"], r["summary"])
                                                               for r in c["replicas"]]:
             rows.append([router, label, engine, s["num_requests"], s["num_finished"], s["num_rejected"],
@@ -324,7 +328,8 @@ def write_html(path: Path, results: dict, plots: dict[str, bytes]) -> None:
     if results.get("cluster"):
         c = results["cluster"]
         groups = ", ".join(f"{r['count']} x {r['engine']}" for r in c["replicas"])
-        cluster = (f"<h2>Cluster what-if</h2><p>{c['num_replicas']} replicas ({html.escape(groups)}); "
+        kind = "real engines, one thread each" if c.get("real") else "simulated"
+        cluster = (f"<h2>Cluster what-if</h2><p>{c['num_replicas']} replicas ({html.escape(groups)}; {kind}); "
                    f"prefix_aware load bound {c['max_imbalance']} requests; the trace's ideal prefix-cache hit rate (one "
                    f"unlimited shared cache) {c.get('prefix_cache_ideal_hit_rate', 0.0):.1%}</p>"
                    f"{_table(*cluster_rows(results))}")

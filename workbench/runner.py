@@ -21,7 +21,7 @@ from engines.real.cpu_features import cpu_flags, cpu_name, native_bf16
 from workbench.fidelity import FORMULAS as FIDELITY_FORMULAS
 from workbench.fidelity import SENSITIVITY_STEP
 from workbench.metrics import FORMULAS, summarize
-from workbench.replay import make_requests, replay_realtime, replay_simulated
+from workbench.replay import make_requests, replay_realtime, replay_simulated, warm_up
 from workbench.report import make_plots, requests_frame, steps_frame, write_html
 from workbench.scenario import (ANALYTIC, AUTO, POOL_KNOBS, BuiltEngineSpec, EngineSpec, OpenAIEngineSpec, Scenario,
                                 SimEngineSpec, load_scenario_trace, policy_knobs, scenario_hash)
@@ -132,6 +132,28 @@ def cluster_configs(scenario: Scenario, model_dir: Path | None, model_cfg: Model
                                      cost_models.get(r.engine)), r.count) for r in scenario.cluster.replicas]
 
 
+def cluster_twin_configs(scenario: Scenario, model_dir: Path | None, model_cfg: ModelConfig | None,
+                         cost_models: dict[str, CostModel],
+                         echo: Callable[[str], None] | None = None) -> list[tuple[str, EngineConfig, int]] | None:
+    """The sim twin of a real cluster (``scenario.cluster.twin``) as one replica group of as many replicas as
+    the real cluster has; None without a twin. ``echo`` gets a warning when the twin's measured profile ran
+    another torch thread count than a real replica's (1).
+
+    Raises:
+        ValueError: as :func:`engine_config`.
+    """
+    cl = scenario.cluster
+    if cl is None or cl.twin is None:
+        return None
+    cm = cost_models.get(cl.twin)
+    threads = (cm.fingerprint or {}).get("threads") if cm is not None else None
+    if echo and threads not in (None, 1):
+        echo(f"cluster.twin {cl.twin}: its profile was measured with {threads} torch threads, a real replica "
+             "runs with 1 (set WORKBENCH_THREADS=1 so that cost_model auto measures the 1-thread profile)")
+    cfg = engine_config(scenario, scenario.engine(cl.twin), model_dir, model_cfg, cm)
+    return [(cl.twin, cfg, cl.num_replicas)]
+
+
 def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg: ModelConfig, trace, eos,
                on_output: Callable | None = None, runtime: dict | None = None, cost_model: CostModel | None = None,
                probe: bool = False, launch_pool=None, out_dir: Path | None = None):
@@ -217,35 +239,6 @@ def engine_runtime(engine) -> dict:
             "attention": model.attention.name, "linear": model.linear_backend, "isa": list(cpu_flags()),
             "weight_dtype": model.weight_dtype, "weight_bytes": model.weight_bytes(),
             "kv_cache_bytes": engine.executor.kv.nbytes}
-
-
-def warm_up(engine) -> None:
-    """Run one short request untimed on a real engine before a replay, then forget its step records, so that
-    the first engine of a run does not pay one-time costs (loading the compiled kernels, first-call
-    allocations; 0.2-0.4 s per step measured on the tiny model) that later engines in the same process skip.
-
-    It also builds oneDNN's GEMM primitive of every row bucket the engine's steps can reach
-    (``LlamaModel.warm_gemms``: up to the step token budget, or ``ONEDNN_WARM_MAX_ROWS`` for the static
-    policy, whose batch prefills have no budget), as the profile's grid steps are warmed before they are timed:
-    otherwise each new batch size pays for its primitive inside a timed step (on a 2-core AMD EPYC the first
-    step of the quickstart's capacity probe, 1,024 tokens of 14 prompts, took 761-938 ms against 693 predicted;
-    warming every bucket to 4,096 rows took 1.8 s there)."""
-    from engines.core.request import Request
-    from engines.core.sampling_params import SamplingParams
-    from engines.core.static_scheduler import StaticScheduler
-    from engines.real.linear import ONEDNN_WARM_MAX_ROWS
-
-    model = getattr(engine.executor, "model", None)
-    if hasattr(model, "warm_gemms"):
-        cfg = engine.scheduler.config
-        static = isinstance(engine.scheduler, StaticScheduler)
-        model.warm_gemms(ONEDNN_WARM_MAX_ROWS if static else cfg.max_num_batched_tokens,
-                         cfg.max_batch_size if static else cfg.max_num_seqs)
-
-    engine.add_request(Request("warm-up", [100 + i for i in range(16)], SamplingParams(max_tokens=4, ignore_eos=True),
-                               arrival_time=engine.clock()))
-    engine.run_to_completion()
-    engine.steps.clear()
 
 
 def openai_api_key(spec: OpenAIEngineSpec) -> str | None:
@@ -525,11 +518,13 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     if drifts:
         results["drift"] = next((d for d in drifts.values() if d), None)
     add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()}, slowed)
-    if scenario.cluster is not None:  # the cluster what-if: the sim engines replicated behind each router
+    if scenario.cluster is not None:  # the cluster: the sim or real engines replicated behind each router
         from workbench.cluster import run_scenario_cluster
 
-        configs = cluster_configs(scenario, model_dir, model_cfg, {n: m[0] for n, m in measured.items()})
-        results["cluster"] = run_scenario_cluster(scenario, configs, trace, eos, out_dir, echo)
+        cms = {n: m[0] for n, m in measured.items()}
+        configs = cluster_configs(scenario, model_dir, model_cfg, cms)
+        twin = cluster_twin_configs(scenario, model_dir, model_cfg, cms, echo)
+        results["cluster"] = run_scenario_cluster(scenario, configs, trace, eos, out_dir, echo, twin)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if not plots:
         return results

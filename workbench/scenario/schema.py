@@ -181,19 +181,23 @@ class TraceSpec(SpecModel):
 
 
 class ReplicaSpec(SpecModel):
-    """``count`` replicas of the scenario's sim engine named ``engine`` (each a fresh engine: its own KV pool,
-    prefix cache and clock)."""
+    """``count`` replicas of the scenario's engine named ``engine``, a sim engine or a real paged one (each a
+    fresh engine: its own KV pool, prefix cache and clock)."""
 
     engine: str = Field(min_length=1)
     count: int = Field(1, ge=1, le=4096)
 
 
 class ClusterSpec(SpecModel):
-    """A cluster what-if (``engines.sim.cluster``): replicas of the scenario's sim engines behind a router,
-    replaying the whole trace.
+    """A cluster what-if: replicas of the scenario's engines behind a router, replaying the whole trace; sim
+    replicas on the cluster simulator (``engines.sim.cluster``), real paged replicas in real time in one
+    process (``workbench.real_cluster``: a thread and one torch thread per replica).
 
     Attributes:
-        replicas: groups of replicas (:class:`ReplicaSpec`); mixed hardware allowed.
+        replicas: groups of replicas (:class:`ReplicaSpec`), all sim (mixed hardware allowed) or all real
+            paged.
+        twin: real replicas only: a sim engine whose replicas (as many as the real ones) also run behind each
+            router, on the cluster simulator, to check it against the real cluster.
         router: the router (``engines.core.router.ROUTERS``), or
         routers: several, each run on fresh replicas (one cluster result per router); default round_robin.
         max_imbalance: prefix_aware's load bound, requests: only replicas with at most this many more
@@ -204,6 +208,7 @@ class ClusterSpec(SpecModel):
     router: RouterName | None = None
     routers: list[RouterName] | None = Field(None, min_length=1)
     max_imbalance: int = Field(DEFAULT_MAX_IMBALANCE, ge=0)
+    twin: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
@@ -247,7 +252,7 @@ class Scenario(SpecModel):
         trace: what to replay (:class:`TraceSpec`).
         engines: one or more engines (:data:`EngineSpec`), names unique.
         slo: latency targets for goodput (:class:`SLOSpec`), or None.
-        cluster: a cluster what-if over the sim engines (:class:`ClusterSpec`), or None.
+        cluster: a cluster of sim or real paged engine replicas behind routers (:class:`ClusterSpec`), or None.
         description: free text.
     """
 
@@ -289,13 +294,25 @@ class Scenario(SpecModel):
         if self.cluster is None:
             return self
         kinds = {e.name: e.kind for e in self.engines}
-        for i, r in enumerate(self.cluster.replicas):
+        cl = self.cluster
+        for i, r in enumerate(cl.replicas):
             if r.engine not in kinds:
                 raise field_error(f"cluster.replicas.{i}.engine",
                                   f"no engine named {r.engine!r}; engines: {', '.join(kinds)}")
-            if kinds[r.engine] != "sim":
+            if kinds[r.engine] not in ("sim", "paged"):
                 raise field_error(f"cluster.replicas.{i}.engine", f"{r.engine} is kind {kinds[r.engine]}; "
-                                  "a cluster what-if replicates sim engines only")
+                                  "a cluster replicates sim engines or real paged engines")
+            if kinds[r.engine] != kinds[cl.replicas[0].engine]:
+                raise field_error(f"cluster.replicas.{i}.engine", f"{r.engine} is kind {kinds[r.engine]}, "
+                                  f"replicas.0 kind {kinds[cl.replicas[0].engine]}; a cluster is all sim or all real")
+        real = kinds[cl.replicas[0].engine] == "paged"
+        if cl.twin is not None:
+            if not real:
+                raise field_error("cluster.twin", "a twin is for a cluster of real replicas (kind paged)")
+            if kinds.get(cl.twin) != "sim":
+                raise field_error("cluster.twin", f"{cl.twin!r} is not a sim engine of this scenario")
+        if real and self.trace.max_concurrency is not None:
+            raise field_error("trace.max_concurrency", "closed-loop users are not supported on a real cluster")
         return self
 
     @property
