@@ -1,13 +1,16 @@
 """Simulator speed: replay the whole Azure 2023 conversation trace (19,366 requests, unscaled lengths)
 on the simulated paged engine with the committed CPU cost model, and time it (a benchmark, not a test).
 
-    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--no-prefix-caching] [--profile-out FILE]
+    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--every K] [--no-prefix-caching] [--profile-out FILE]
+        [--hardware h100-sxm --model llama-3.1-70b --tp 4]
 
 The Azure trace carries lengths only. Each request gets its own prompt token ids (request i's prompt is
 ``100 + (i * 7919 + k) % 48900`` for position k: no two requests share a first block, so nothing is a
 prefix-cache hit, as with the random prompts ``workbench run`` gives a length-only trace), and prefix caching
 is on, the paged engine's default: the benchmark times the block hashing and lookups a real run pays.
-``--no-prefix-caching`` turns caching off explicitly. Prints the simulated figures, the wall time, the
+``--no-prefix-caching`` turns caching off explicitly. ``--every K`` keeps every K-th request (one replica's share
+of K). ``--hardware`` simulates a catalogue model (``--model``, ``--tp``) on a catalogue GPU with the analytic
+cost model instead of the CPU profile. Prints the simulated figures, the wall time, the
 microseconds per engine step and the peak resident memory (``ru_maxrss``). ``--profile-out`` writes a
 cProfile of the simulation.
 
@@ -27,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engines.core.config import ModelConfig  # noqa: E402
-from engines.factory import build_sim_engine  # noqa: E402
+from engines.factory import EngineConfig, build_engine, build_sim_engine  # noqa: E402
 from engines.sim.cost_model import CostModel  # noqa: E402
 from engines.sim.simulator import simulate  # noqa: E402
 from workbench.metrics import summarize  # noqa: E402
@@ -52,19 +55,28 @@ def main() -> None:
     ap.add_argument("--kv-cache-tokens", type=int, default=1_000_000)
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-out", default=None, help="write a cProfile of the simulation here")
+    ap.add_argument("--every", type=int, default=1, help="keep every K-th request of the trace")
+    ap.add_argument("--hardware", default=None, help="a catalogue GPU: the analytic cost model instead of --profile")
+    ap.add_argument("--model", default="llama-3.1-70b", help="with --hardware: the catalogue model")
+    ap.add_argument("--tp", type=int, default=4, help="with --hardware: GPUs per replica")
     a = ap.parse_args()
     from engines.real.model_store import resolve_model
 
     cfg = ModelConfig.from_dir(resolve_model("smollm2-135m"))
     t0 = time.perf_counter()
-    trace = load_trace("azure", a.trace, limit=a.limit)
+    trace = load_trace("azure", a.trace, limit=a.limit)[:: a.every]
     for i, r in enumerate(trace):
         r.prompt_token_ids = distinct_prompt(i, r.prompt_tokens)
     reqs = make_requests(trace, None)
     t_load = time.perf_counter() - t0
-    engine = build_sim_engine("paged", cfg, CostModel.load(a.profile), kv_cache_tokens=a.kv_cache_tokens,
-                              max_model_len=16384, max_num_seqs=256, max_num_batched_tokens=2048,
-                              enable_prefix_caching=a.prefix_caching)
+    if a.hardware:
+        engine = build_engine(EngineConfig(kind="sim", policy="paged", model=a.model, hardware=a.hardware, tp=a.tp,
+                                           max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=16384,
+                                           enable_prefix_caching=a.prefix_caching))
+    else:
+        engine = build_sim_engine("paged", cfg, CostModel.load(a.profile), kv_cache_tokens=a.kv_cache_tokens,
+                                  max_model_len=16384, max_num_seqs=256, max_num_batched_tokens=2048,
+                                  enable_prefix_caching=a.prefix_caching)
     prof = None
     if a.profile_out:
         import cProfile
