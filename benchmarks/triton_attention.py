@@ -1,7 +1,7 @@
 """Achieved memory bandwidth of the Triton paged-attention decode kernel against the GPU's peak.
 
 Needs a CUDA GPU (not run in CI; no GPU was at hand when it was written, so no figures yet). For each
-(batch, context length) it times ``kernels.triton_attention.paged_attention_decode`` on one layer's
+(batch, context length) it times ``wb_kernels.triton_attention.paged_attention_decode`` on one layer's
 cache (bf16, block_size 16, Llama-3.1-8B-like heads: 32 query / 8 KV heads, head_dim 128; random
 block tables) with CUDA events (median of --iters), counts the bytes the kernel must read (K and V of
 every context token, plus q and out) and prints achieved GB/s and the fraction of the catalogue peak
@@ -60,8 +60,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: no CUDA device: this benchmark measures GPU memory bandwidth")
-    from kernels.paged_attention import paged_attention_decode as reference
-    from kernels.triton_attention import paged_attention_decode
+    from wb_kernels.paged_attention import paged_attention_decode as reference
+    from wb_kernels.triton_attention import paged_attention_decode
 
     dev_name = torch.cuda.get_device_name()
     key = args.hardware or guess_hardware(dev_name)

@@ -28,10 +28,10 @@ def test_fingerprint_names_machine_and_computation(tiny_llama_dir):
 def test_fingerprint_changes_with_the_engine_kernels(tiny_llama_dir, monkeypatch):
     """A profile cached for older kernels (another kernel source or engine speed revision) is not reused."""
     import engines.real
-    import kernels.cpu_ops
+    import wb_kernels.cpu_ops
 
     fp = fingerprint("tiny", tiny_llama_dir)
-    assert fp["kernels"] == f"r{engines.real.ENGINE_SPEED_REVISION}-{kernels.cpu_ops.source_sha256()}"
+    assert fp["kernels"] == f"r{engines.real.ENGINE_SPEED_REVISION}-{wb_kernels.cpu_ops.source_sha256()}"
     monkeypatch.setattr(engines.real, "ENGINE_SPEED_REVISION", engines.real.ENGINE_SPEED_REVISION + 1)
     bumped = fingerprint("tiny", tiny_llama_dir)
     assert bumped["kernels"] != fp["kernels"] and profile_path(bumped) != profile_path(fp)

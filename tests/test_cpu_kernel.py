@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from engines.real.model import LlamaModel
-from kernels import cpu_ops
-from kernels.paged_attention import paged_attention_decode
+from wb_kernels import cpu_ops
+from wb_kernels.paged_attention import paged_attention_decode
 
-KERNEL_MISSING = "the compiled CPU kernel (kernels/csrc/paged_attention_cpu.cpp) is unavailable"
+KERNEL_MISSING = "the compiled CPU kernel (wb_kernels/csrc/paged_attention_cpu.cpp) is unavailable"
 
 
 def require_kernel(require) -> None:
@@ -162,7 +162,7 @@ def test_mismatched_dtypes_are_one_line_errors(kernel):
 
 @pytest.fixture
 def fresh_kernel_state(monkeypatch):
-    """``kernels.cpu_ops`` as before its first load (restored afterwards), outside CI settings."""
+    """``wb_kernels.cpu_ops`` as before its first load (restored afterwards), outside CI settings."""
     monkeypatch.setattr(cpu_ops, "_mod", None)
     monkeypatch.setattr(cpu_ops, "_failed", False)
     monkeypatch.setattr(cpu_ops, "_error", None)

@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from engines.real.model import pick_attention, resolve_device
-from kernels import paged_attention as ref
+from wb_kernels import paged_attention as ref
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -34,7 +34,7 @@ def test_auto_device_is_cpu_without_a_gpu_and_cuda_is_a_one_line_error():
 
 def test_a_cuda_device_gets_the_triton_kernels():
     pytest.importorskip("triton")
-    from kernels import triton_attention
+    from wb_kernels import triton_attention
 
     for dtype in (torch.float32, torch.bfloat16):
         ops = pick_attention("auto", dtype, torch.device("cuda"))
@@ -48,7 +48,7 @@ def test_a_cuda_device_gets_the_triton_kernels():
 
 
 def test_cpu_keeps_the_compiled_kernel_and_never_auto_picks_triton():
-    from kernels import cpu_ops
+    from wb_kernels import cpu_ops
 
     cpu = torch.device("cpu")
     f32 = pick_attention("auto", torch.float32, cpu)
@@ -124,7 +124,7 @@ def test_scenario_device_knobs(tmp_path):
 def test_triton_imported_without_the_interpreter_is_a_clear_error(monkeypatch):
     """Triton reads TRITON_INTERPRET at its first import: if something imported it earlier on a machine
     without a GPU, asking for the Triton kernels says so in one line instead of failing inside Triton."""
-    triton_attention = pytest.importorskip("kernels.triton_attention")
+    triton_attention = pytest.importorskip("wb_kernels.triton_attention")
     monkeypatch.setattr(triton_attention, "_NO_INTERPRETER", True)
     with pytest.raises(ValueError, match="set TRITON_INTERPRET=1 in the environment"):
         pick_attention("triton", torch.float32, torch.device("cpu"))

@@ -256,7 +256,7 @@ class _RecordedLaunch:
 def test_triton_wrappers_put_every_tensor_on_the_querys_device(monkeypatch):
     """Tensors on the ``meta`` device stand for a CUDA device: an index tensor the wrapper builds on the
     host (or a block table passed from the host) shows up as a ``cpu`` tensor in the launch."""
-    tri = pytest.importorskip("kernels.triton_attention")
+    tri = pytest.importorskip("wb_kernels.triton_attention")
     monkeypatch.setattr(tri, "_check_runnable", lambda: None)
     meta = torch.device("meta")
     kc = torch.empty(8, 4, 2, 16, device=meta)

@@ -11,7 +11,7 @@ Rules:
 * ``engines/sim/`` imports no torch at module level (the profiler, which times the real executor, imports it
   inside its functions), and nothing of ``engines.real`` at module level; ``engines/real/`` never imports
   ``engines.sim``.
-* ``kernels/`` imports neither ``engines`` nor ``workbench``.
+* ``wb_kernels/`` imports neither ``engines`` nor ``workbench``.
 * Nothing in the packages imports ``workbench.cli`` (the Typer app that registers the commands): the
   command modules (``workbench.commands``) and the library stand without it.
 * No import cycle between the project's modules, counting imports inside functions too: a deferred import
@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("engines", "kernels", "workbench")
+PACKAGES = ("engines", "wb_kernels", "workbench")
 SCRIPT_DIRS = ("tests", "benchmarks")  # run as scripts or by pytest: their folder is on sys.path
-TORCH_SIDE = ("torch", "triton", "transformers", "safetensors", "kernels", "engines.real")
+TORCH_SIDE = ("torch", "triton", "transformers", "safetensors", "wb_kernels", "engines.real")
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def test_engines_never_import_workbench(imports):
 
 def test_core_imports_no_torch_nor_the_layers_above_it(imports):
     _check(_violations(imports, "engines.core", TORCH_SIDE + ("engines.sim", "engines.factory", "engines.llm")),
-           "engines/core/ must not import torch, the torch side (engines.real, kernels) or the layers above it")
+           "engines/core/ must not import torch, the torch side (engines.real, wb_kernels) or the layers above it")
 
 
 def test_sim_imports_no_torch_at_module_level(imports):
@@ -151,14 +151,14 @@ def test_real_never_imports_the_simulator(imports):
 
 
 def test_kernels_import_neither_engines_nor_workbench(imports):
-    _check(_violations(imports, "kernels", ("engines", "workbench")), "kernels/ must not import engines/ or workbench/")
+    _check(_violations(imports, "wb_kernels", ("engines", "workbench")), "wb_kernels/ must not import engines/ or workbench/")
 
 
 def test_nothing_imports_the_cli(imports):
     bad = [f"{i} imports {i.target}" for i in imports
            if _under(i.target, "workbench.cli") and i.module.split(".")[0] in PACKAGES
            and i.module != "workbench.__main__"]  # ``python -m workbench``: the CLI's other entry point
-    _check(bad, "workbench.cli registers the commands; no module of engines/, kernels/ or workbench/ (but "
+    _check(bad, "workbench.cli registers the commands; no module of engines/, wb_kernels/ or workbench/ (but "
                 "workbench/__main__.py, which runs it) may import it")
 
 
@@ -254,3 +254,16 @@ def test_core_and_sim_load_without_torch():
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert r.stdout.strip() == "[]", f"importing {', '.join(mods)} loaded {r.stdout.strip()}"
+
+
+def test_no_top_level_package_shadows_an_installed_distribution():
+    """Our top-level packages are on ``sys.path`` twice (the editable install and the checkout as the working
+    directory), so a package of another distribution with the same import name is hidden by ours. That is how
+    a top-level ``kernels/`` broke ``import transformers`` once transformers (5.25) began to depend on
+    Hugging Face's ``kernels`` package: hence ``wb_kernels``."""
+    import importlib.metadata
+
+    owners = importlib.metadata.packages_distributions()
+    ours = {"llm-serving-workbench", "llm_serving_workbench"}
+    clashes = {p: sorted(set(owners.get(p, [])) - ours) for p in PACKAGES}
+    assert not {p: d for p, d in clashes.items() if d}, f"import names shared with other distributions: {clashes}"

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import (
+from wb_kernels.paged_attention import (
     causal_attention,
     gather_kv,
     paged_attention_decode,

@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.paged_attention import causal_attention, paged_attention_prefill, paged_attention_prefill_varlen, write_kv
+from wb_kernels import cpu_ops
+from wb_kernels.paged_attention import causal_attention, paged_attention_prefill, paged_attention_prefill_varlen, write_kv
 
-KERNEL_MISSING = "the compiled CPU kernel (kernels/csrc/paged_attention_cpu.cpp) is unavailable"
+KERNEL_MISSING = "the compiled CPU kernel (wb_kernels/csrc/paged_attention_cpu.cpp) is unavailable"
 F32_TOL = dict(atol=2e-5, rtol=1e-5)
 # bfloat16 inputs are exact in float32 and the kernel computes in float32, so the only extra error is the
 # output's rounding to bfloat16: at most half an ulp, 2**-9 relative (the tolerance allows one ulp)
@@ -32,7 +32,7 @@ def kernel(require):
 
 def _triton_varlen():
     try:
-        from kernels import triton_attention
+        from wb_kernels import triton_attention
     except ImportError:
         return None
     return triton_attention.paged_attention_prefill_varlen if triton_attention.available() else None

@@ -75,7 +75,7 @@ def test_run_writes_results_csvs_plots_and_report(scenario_file, tmp_path):
     # where each real engine ran and on which attention kernels (the simulator has no runtime)
     import torch
 
-    from kernels import cpu_ops
+    from wb_kernels import cpu_ops
 
     expect_dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     expect_attn = "triton" if torch.cuda.is_available() else ("cpp" if cpu_ops.available() else "torch")

@@ -140,7 +140,7 @@ def _prepared_steps(llm):
 
 @pytest.mark.parametrize("device, backend", [("cpu", "torch"), ("cpu", "cpp"), ("cuda", "auto")])
 def test_real_padded_batch_matches_each_prompt_alone(tiny_llama_dir, device, backend):
-    from kernels import cpu_ops
+    from wb_kernels import cpu_ops
 
     if backend == "cpp":
         require_prerequisite(cpu_ops.available(), "the compiled CPU kernel did not build", cpu_ops.build_error())
@@ -192,15 +192,15 @@ def test_real_own_end_answers_at_the_own_last_token(tiny_llama_dir):
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_decode_kernels_accept_a_repeated_scratch_block_table(backend):
     """A batch with padding rows (the scratch block repeated) gives live rows what they get alone."""
-    from kernels.paged_attention import paged_attention_decode as reference
+    from wb_kernels.paged_attention import paged_attention_decode as reference
 
     if backend == "cpp":
-        from kernels import cpu_ops
+        from wb_kernels import cpu_ops
 
         require_prerequisite(cpu_ops.available(), "the compiled CPU kernel did not build", cpu_ops.build_error())
         decode = cpu_ops.paged_attention_decode
     elif backend == "triton":
-        ops = pytest.importorskip("kernels.triton_attention")
+        ops = pytest.importorskip("wb_kernels.triton_attention")
         decode = ops.paged_attention_decode
     else:
         decode = reference

@@ -122,7 +122,7 @@ def test_shards_reassemble_the_weights(tiny_uneven_dir, tp):
 def test_tp2_uneven_split_matches_tp1(tiny_uneven_dir, engine, require):
     """9/3 heads over 2 ranks (6+3 query / 2+1 KV heads) and 129 MLP columns (65+64): the compiled CPU
     kernels take both ranks' head counts, and greedy output is token-identical to tp 1."""
-    from kernels import cpu_ops
+    from wb_kernels import cpu_ops
 
     require(cpu_ops.available(), "the CPU kernel did not build", cpu_ops.build_error())
     knobs = dict(engine=engine, dtype="float32", device="cpu",

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-triton_attention = pytest.importorskip("kernels.triton_attention")
+triton_attention = pytest.importorskip("wb_kernels.triton_attention")
 
-from kernels.paged_attention import paged_attention_decode, paged_attention_prefill, write_kv  # noqa: E402
+from wb_kernels.paged_attention import paged_attention_decode, paged_attention_prefill, write_kv  # noqa: E402
 
 
 def make_cache(rng, num_blocks, bs, kvh, d):

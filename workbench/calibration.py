@@ -63,7 +63,7 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
     from engines.real import ENGINE_SPEED_REVISION
     from engines.real.linear import resolve_linear_backend
     from engines.real.model import pick_attention
-    from kernels.cpu_ops import source_sha256
+    from wb_kernels.cpu_ops import source_sha256
 
     if attention is None:
         attention = pick_attention("auto", getattr(torch, dtype), torch.device("cpu")).name

@@ -1,7 +1,7 @@
 """Llama-family forward pass over a flattened batch, reading Hugging Face safetensors directly.
 
 RMSNorm, rotary position embeddings (default, linear and ``llama3`` scaling), grouped-query attention
-through ``kernels.paged_attention``, SwiGLU MLP, optional q/k/v bias (Qwen2) and tied embeddings. The
+through ``wb_kernels.paged_attention``, SwiGLU MLP, optional q/k/v bias (Qwen2) and tied embeddings. The
 numerics follow transformers' ``LlamaForCausalLM`` (RMSNorm in float32, RoPE tables in float32, residual
 adds in the model dtype) so greedy outputs match it token for token in float32.
 
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from engines.core.config import ModelConfig
 from engines.real.linear import (ONEDNN_WARM_MAX_ROWS, Linear, make_linear, model_weight_dtype,
                                  resolve_linear_backend, warm_onednn)
-from kernels.paged_attention import (paged_attention_decode, paged_attention_prefill, paged_attention_prefill_varlen,
+from wb_kernels.paged_attention import (paged_attention_decode, paged_attention_prefill, paged_attention_prefill_varlen,
                                      write_kv)
 
 
@@ -122,7 +122,7 @@ class AttentionOps:
         prefill: ``paged_attention_prefill``-shaped function (one chunk after cached context).
         prefill_varlen: ``paged_attention_prefill_varlen``-shaped function (every prefill chunk of a step
             in one call); what the model's forward pass uses.
-        fused_cpu: True when the compiled CPU ops (``kernels.cpu_ops``) run the whole layer.
+        fused_cpu: True when the compiled CPU ops (``wb_kernels.cpu_ops``) run the whole layer.
         name: what was picked, for logs and results (``cpp``, ``torch``, ``triton``).
     """
 
@@ -137,7 +137,7 @@ def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> At
     """Attention implementations for a model on ``device``.
 
     ``torch``: the PyTorch reference (any device, any dtype). ``cpp``: the compiled CPU kernels (CPU,
-    float32 or bfloat16). ``triton``: ``kernels.triton_attention`` (CUDA; on CPU it runs in Triton's
+    float32 or bfloat16). ``triton``: ``wb_kernels.triton_attention`` (CUDA; on CPU it runs in Triton's
     interpreter, which is how the tests exercise it). ``auto``: on CUDA the Triton kernels (the reference
     if Triton is not installed); on CPU the compiled kernels when the dtype is float32 or bfloat16 and they
     build, else the reference.
@@ -157,7 +157,7 @@ def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> At
             return reference
         return AttentionOps(ops.paged_attention_decode, ops.paged_attention_prefill, ops.paged_attention_prefill_varlen,
                             False, "triton")
-    from kernels import cpu_ops
+    from wb_kernels import cpu_ops
 
     if device.type != "cpu":
         raise ValueError(f"attention_backend 'cpp' is a CPU kernel; the model is on {device}")
@@ -170,10 +170,10 @@ def pick_attention(backend: str, dtype: torch.dtype, device: torch.device) -> At
 
 
 def _triton_ops(required: bool = False):
-    """``kernels.triton_attention``, or None when Triton is not installed or cannot run its kernels in this
+    """``wb_kernels.triton_attention``, or None when Triton is not installed or cannot run its kernels in this
     process (ValueError if ``required``)."""
     try:
-        from kernels import triton_attention
+        from wb_kernels import triton_attention
     except ImportError as e:
         if required:
             raise ValueError(f"attention_backend 'triton' needs the triton package ({e})") from None
@@ -353,7 +353,7 @@ class LlamaModel:
     def _forward_fused(self, input_ids, positions, meta, kv_caches) -> torch.Tensor:
         """The same computation with compiled CPU ops: residual add + RMSNorm in one pass, RoPE in
         place, SiLU-and-mul in one pass (float32 or bfloat16, with the reference's rounding points)."""
-        from kernels import cpu_ops
+        from wb_kernels import cpu_ops
 
         cfg = self.cfg
         h, kvh, d, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps

@@ -124,7 +124,7 @@ def prefill_bf16_dot() -> bool:
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-    """Same contract as ``kernels.paged_attention.paged_attention_decode`` (float32 or bfloat16 tensors of
+    """Same contract as ``wb_kernels.paged_attention.paged_attention_decode`` (float32 or bfloat16 tensors of
     one dtype, CPU, contiguous caches).
 
     Raises:
@@ -135,7 +135,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
 
 def paged_attention_prefill_varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos,
                                    scale: float | None = None, *, max_seqlen_q: int | None = None) -> torch.Tensor:
-    """Same contract as ``kernels.paged_attention.paged_attention_prefill_varlen``: every prefill chunk of a
+    """Same contract as ``wb_kernels.paged_attention.paged_attention_prefill_varlen``: every prefill chunk of a
     step in one call, read through block tables, causal with each chunk's offset, grouped-query heads.
 
     Args:

@@ -1,6 +1,6 @@
 """Paged attention in Triton: a decode kernel and a prefill/chunked-prefill kernel over block tables.
 
-Same cache layout and semantics as the PyTorch reference in ``kernels.paged_attention``: per layer,
+Same cache layout and semantics as the PyTorch reference in ``wb_kernels.paged_attention``: per layer,
 ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; position ``p`` of a
 sequence lives in slot ``p % block_size`` of block ``block_table[p // block_size]``; query head ``h``
 reads KV head ``h // (num_heads // num_kv_heads)`` (GQA). Both kernels read the blocks in place (no
@@ -37,7 +37,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
-NO_INTERPRETER_ERROR = ("Triton was imported before kernels.triton_attention without TRITON_INTERPRET=1 and there is "
+NO_INTERPRETER_ERROR = ("Triton was imported before wb_kernels.triton_attention without TRITON_INTERPRET=1 and there is "
                         "no CUDA device, so its kernels cannot run; set TRITON_INTERPRET=1 in the environment")
 
 
@@ -245,7 +245,7 @@ def paged_attention_prefill_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                             start_pos: int, scale: float | None = None) -> torch.Tensor:
-    """One sequence's chunk, with ``kernels.paged_attention.paged_attention_prefill``'s signature.
+    """One sequence's chunk, with ``wb_kernels.paged_attention.paged_attention_prefill``'s signature.
 
     Args:
         q: ``[n, num_heads, head_dim]``; block_table: ``[num_blocks_of_seq]`` int.
