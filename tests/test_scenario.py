@@ -272,7 +272,7 @@ COMMITTED_HASHES = {
     "scenarios/ci-sim.yaml": "48cbf7ef2d9911f3",
     "scenarios/cluster-prefix.yaml": "8e7e3c6e2dc8c027",
     "scenarios/cluster-real.yaml": "87227a86cefc0d50",
-    "scenarios/cluster-real-200.yaml": "cae2b793ece475af",
+    "scenarios/cluster-real-200.yaml": "744ff7ece32226e1",
     "scenarios/openai-quickstart.yaml": "dfc5a8ddcf2f75f2",
     "scenarios/paper/pagedattention_opt13b.yaml": "944a0520980a97f0",
     "scenarios/plan-70b-azure-conv.yaml": "c281f0ea274d1476",
