@@ -103,6 +103,11 @@ class BlockPool:
         self.num_evictions = 0
         self.num_hash_collisions = 0
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1 (KV accounting takes a slower path then)
+        # kept as ref counts and hashes change, so KV accounting over shared blocks costs O(requests), not
+        # O(blocks): references beyond the first (sum of ref_cnt - 1 over shared blocks), and shared blocks
+        # that are not registered in the prefix cache (no hash: e.g. a forked sequence's partly filled block)
+        self.num_extra_refs = 0
+        self.num_shared_unhashed = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -140,8 +145,8 @@ class BlockPool:
             if blk.ref_cnt <= 0:
                 raise BlockPoolError(f"block {i} is free and cannot be shared")
             blk.ref_cnt += 1
-            if blk.ref_cnt == 2:
-                self.num_shared_blocks += 1
+            if blk.ref_cnt >= 2:
+                self._shared_ref_added(blk)
 
     def touch(self, block_ids: list[int]) -> None:
         """Take one more reference to cached blocks found by a prefix-cache hit; a free one leaves the
@@ -151,8 +156,8 @@ class BlockPool:
             if blk.ref_cnt == 0:
                 del self._free[i]
             blk.ref_cnt += 1
-            if blk.ref_cnt == 2:
-                self.num_shared_blocks += 1
+            if blk.ref_cnt >= 2:
+                self._shared_ref_added(blk)
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; a block whose count reaches zero joins the tail of the free
@@ -166,10 +171,22 @@ class BlockPool:
             if blk.ref_cnt <= 0:
                 raise BlockPoolError(f"block {i} freed twice (ref count would go negative)")
             blk.ref_cnt -= 1
-            if blk.ref_cnt == 1:
-                self.num_shared_blocks -= 1
-            elif blk.ref_cnt == 0:
+            if blk.ref_cnt >= 1:
+                self.num_extra_refs -= 1
+                if blk.ref_cnt == 1:
+                    self.num_shared_blocks -= 1
+                    if blk.block_hash is None:
+                        self.num_shared_unhashed -= 1
+            else:
                 self._free[i] = None
+
+    def _shared_ref_added(self, blk: KVBlock) -> None:
+        """Count one more reference to ``blk`` beyond its first (its ``ref_cnt`` is now >= 2)."""
+        self.num_extra_refs += 1
+        if blk.ref_cnt == 2:
+            self.num_shared_blocks += 1
+            if blk.block_hash is None:
+                self.num_shared_unhashed += 1
 
     # -- prefix cache ------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash, key: BlockKey | None = None) -> int | None:
@@ -193,6 +210,8 @@ class BlockPool:
             return False
         blk.block_hash, blk.key = block_hash, key
         self.cached[block_hash] = block_id
+        if blk.ref_cnt > 1:
+            self.num_shared_unhashed -= 1
         return True
 
     def uncache_block(self, block_id: int) -> None:
@@ -202,9 +221,12 @@ class BlockPool:
             if self.cached.get(blk.block_hash) == block_id:
                 del self.cached[blk.block_hash]
             blk.block_hash = blk.key = None
+            if blk.ref_cnt > 1:
+                self.num_shared_unhashed += 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash (blocks stay where they are)."""
         for blk in self.blocks:
             blk.block_hash = blk.key = None
         self.cached.clear()
+        self.num_shared_unhashed = self.num_shared_blocks

@@ -339,6 +339,43 @@ class PagedKVCacheManager:
             reserved += (held if held < want else want) - s
         return states, reserved
 
+    def _shared_full_states(self, requests: list[Request], scheduled: dict[str, int]) -> tuple[int, int] | None:
+        """``(token_states, reserved)`` of ``requests`` when blocks are shared, in one pass over the requests
+        (not their blocks), or None when this shortcut does not apply and :meth:`stats` must go block by block.
+
+        It applies when every shared block is a full block registered in the prefix cache that each holder has
+        computed or scheduled (a holder's hashed blocks are the first ``_num_cached`` of its table, so
+        states >= ``_num_cached`` x block_size says so) and ``requests`` hold every reference (their tables'
+        lengths add up to the pool's used blocks plus its extra references). Each shared block then holds
+        block_size token states and no reserved slot for every holder, and is counted once: the per-request
+        sums less block_size per extra reference (``BlockPool.num_extra_refs``). Same result as the block loop.
+        """
+        pool = self.pool
+        if pool.num_shared_unhashed:
+            return None
+        bs, tables, sched, cached = self.block_size, self.block_tables, scheduled.get, self._num_cached
+        states = reserved = refs = 0
+        for r in requests:
+            rid = r.request_id
+            table = tables.get(rid)
+            if not table:
+                continue
+            held = len(table) * bs
+            s = r.num_computed_tokens + sched(rid, 0)
+            if s > held:
+                s = held
+            if s < cached.get(rid, 0) * bs:
+                return None  # a hashed block this request has not computed or scheduled yet
+            want = r.max_total_tokens
+            if want < s:
+                want = s
+            states += s
+            reserved += (held if held < want else want) - s
+            refs += len(table)
+        if refs != pool.num_used_blocks + pool.num_extra_refs:
+            return None  # a block is held by a request not in ``requests``
+        return states - pool.num_extra_refs * bs, reserved
+
     def stats(self, requests: list[Request], scheduled: dict[str, int] | None = None) -> KVStats:
         """Slot accounting for the requests that hold blocks (see module docstring).
 
@@ -352,7 +389,15 @@ class PagedKVCacheManager:
         allocated = self.pool.num_used_blocks * bs
         if not self.pool.num_shared_blocks:
             states, reserved = self._unshared_states(requests, scheduled)
-            return KVStats(self.pool.num_blocks * bs, allocated, states, reserved, allocated - states - reserved, 0)
+        else:
+            states, reserved = self._shared_full_states(requests, scheduled) or self._states_by_block(requests, scheduled)
+        return KVStats(self.pool.num_blocks * bs, allocated, states, reserved, allocated - states - reserved, 0)
+
+    def _states_by_block(self, requests: list[Request], scheduled: dict[str, int]) -> tuple[int, int]:
+        """``(token_states, reserved)`` of ``requests`` block by block (see :meth:`stats`): a shared block counts
+        once, with the most states and usable slots any holder has in it. O(blocks held); the general case
+        that :meth:`_shared_full_states` shortcuts."""
+        bs, blocks = self.block_size, self.pool.blocks
         states = reserved = 0
         shared: dict[int, tuple[int, int]] = {}  # shared block -> (states, states + reserved)
         for r in requests:
@@ -362,14 +407,10 @@ class PagedKVCacheManager:
                 continue
             s = min(r.num_computed_tokens + scheduled.get(r.request_id, 0), held)
             usable = min(held, max(s, r.max_total_tokens))
-            if not self.pool.num_shared_blocks:
-                states += s
-                reserved += usable - s
-                continue
             for i, b in enumerate(table):
                 bs_i = min(bs, max(0, s - i * bs))
                 bu_i = min(bs, max(0, usable - i * bs))
-                if self.pool.blocks[b].ref_cnt > 1:
+                if blocks[b].ref_cnt > 1:
                     old = shared.get(b, (0, 0))
                     shared[b] = (max(old[0], bs_i), max(old[1], bu_i))
                 else:
@@ -378,14 +419,7 @@ class PagedKVCacheManager:
         for s_b, u_b in shared.values():
             states += s_b
             reserved += u_b - s_b
-        return KVStats(
-            total_slots=self.pool.num_blocks * bs,
-            allocated=allocated,
-            token_states=states,
-            reserved=reserved,
-            internal_frag=allocated - states - reserved,
-            external_frag=0,
-        )
+        return states, reserved
 
     def num_cached_prefix_blocks(self, block_hashes: list) -> int:
         """How many leading entries of ``block_hashes`` (chained full-block hashes, as

@@ -358,8 +358,13 @@ def output_text_ids(req: Request) -> list[int]:
 def kv_shared_saved(kv: PagedKVCacheManager, requests) -> int:
     """KV slots saved by block sharing now: sum over held blocks of (ref count - 1) x block_size, i.e. the
     slots the same requests would need without prefix-cache or parallel-sampling sharing."""
-    if not kv.pool.num_shared_blocks:
+    pool = kv.pool
+    if not pool.num_shared_blocks:
         return 0
+    tables = kv.block_tables
+    if sum(len(tables.get(r.request_id, ())) for r in requests) == pool.num_used_blocks + pool.num_extra_refs:
+        # the requests hold every reference, so their tables cover every used block: the sum is the pool's count
+        return pool.num_extra_refs * kv.block_size
     seen: set[int] = set()
     saved = 0
     for r in requests:
