@@ -260,6 +260,15 @@ class PagedKVCacheManager:
         n = len(self.block_tables.get(request_id, ()))
         return self._breaks.get(request_id, 0) / (n - 1) if n >= 2 else 0.0
 
+    def table_and_scatter(self, request_id: str) -> tuple[list[int], float]:
+        """:meth:`block_table` and :meth:`scatter` in one call (the scheduler asks for both for every row of
+        every step)."""
+        table = self.block_tables.get(request_id)
+        if table is None:
+            return [], 0.0
+        n = len(table)
+        return table, (self._breaks.get(request_id, 0) / (n - 1) if n >= 2 else 0.0)
+
     def _extend(self, request_id: str, table: list[int], blocks: list[int]) -> None:
         """Append ``blocks`` to ``table`` (the request's block table), counting the new non-consecutive neighbours."""
         if not blocks:

@@ -115,20 +115,22 @@ class PagedScheduler(Scheduler):
         out = SchedulerOutput(seqs=seqs)
         preempted = out.preempted_ids
 
-        idx = 0
-        while idx < len(self.running) and budget > 0:
-            req = self.running[idx]
-            n = self._num_new_tokens(req, budget)
-            if n == 0:
-                idx += 1
-                continue
+        idx, running, allocate = 0, self.running, self.kv.allocate_slots
+        while idx < len(running) and budget > 0:
+            req = running[idx]
+            n = req.num_tokens_total - req.num_computed_tokens
+            if n != 1:  # a decode row (one token, budget left) needs no caps; anything else does
+                n = self._num_new_tokens(req, budget)
+                if n == 0:
+                    idx += 1
+                    continue
             drafts = self._drafts(req, n, budget) if self.spec is not None else None
-            if drafts and self.kv.allocate_slots(req, n + len(drafts)):
+            if drafts and allocate(req, n + len(drafts)):
                 seqs.append(self._seq(req, n, drafts))
                 budget -= n + len(drafts)
                 idx += 1
                 continue
-            if not self._allocate_or_preempt(req, n, out):
+            if not allocate(req, n) and not self._allocate_or_preempt(req, n, out):  # it retries, preempting
                 break
             seqs.append(self._seq(req, n))
             budget -= n
@@ -236,16 +238,17 @@ class PagedScheduler(Scheduler):
         return super().finish_request(request_id, status, stop_reason)
 
     def _seq(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledSeq:
-        start, end, rid, kv = req.num_computed_tokens, req.num_computed_tokens + n, req.request_id, self.kv
+        start, end, rid = req.num_computed_tokens, req.num_computed_tokens + n, req.request_id
         token_ids = req.all_token_ids[start:end]
         if drafts:
             token_ids += drafts
+        table, scatter = self.kv.table_and_scatter(rid)
         seq = ScheduledSeq(
             request_id=rid,
             token_ids=token_ids,
             start_pos=start,
-            block_table=kv.block_table(rid),
-            scatter=kv.scatter(rid),
+            block_table=table,
+            scatter=scatter,
             sample=end == req.num_tokens_total,
             sampling_params=req.sampling_params,
             request=req,

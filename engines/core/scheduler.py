@@ -251,7 +251,10 @@ class Scheduler:
                 lp = result.token_logprobs.get(seq.request_id) if result.token_logprobs else None
                 if lp is not None:
                     req.output_logprobs.append(lp)
-                self._finish_if_done(req, tok, finished)
+                sp = req.sampling_params
+                # what _finish_if_done checks, loosened (EOS even when ignored), so most rows skip the call
+                if tok in req.eos_token_ids or sp.stop_token_ids or len(req.output_token_ids) >= sp.max_tokens:
+                    self._finish_if_done(req, tok, finished)
         return finished
 
     def _finish_if_done(self, req: Request, tok: int, finished: list[Request]) -> bool:
