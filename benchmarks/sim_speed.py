@@ -1,14 +1,17 @@
 """Simulator speed: replay the whole Azure 2023 conversation trace (19,366 requests, unscaled lengths)
 on the simulated paged engine with the committed CPU cost model, and time it (a benchmark, not a test).
 
-    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--every K] [--no-prefix-caching] [--profile-out FILE]
+    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--every K] [--no-prefix-caching] [--shared-prompts K]
+        [--profile-out FILE]
         [--hardware h100-sxm --model llama-3.1-70b --tp 4]
 
 The Azure trace carries lengths only. Each request gets its own prompt token ids (request i's prompt is
 ``100 + (i * 7919 + k) % 48900`` for position k: no two requests share a first block, so nothing is a
 prefix-cache hit, as with the random prompts ``workbench run`` gives a length-only trace), and prefix caching
 is on, the paged engine's default: the benchmark times the block hashing and lookups a real run pays.
-``--no-prefix-caching`` turns caching off explicitly. ``--every K`` keeps every K-th request (one replica's share
+``--no-prefix-caching`` turns caching off explicitly. ``--shared-prompts K`` gives request i the prompt of
+``i % K`` instead (cut to its own length), so requests share prefixes and blocks as a system prompt or a
+conversation's history makes them (prefix-cache hits, blocks held by several requests). ``--every K`` keeps every K-th request (one replica's share
 of K). ``--hardware`` simulates a catalogue model (``--model``, ``--tp``) on a catalogue GPU with the analytic
 cost model instead of the CPU profile. Prints the simulated figures, the wall time, the
 microseconds per engine step and the peak resident memory (``ru_maxrss``). ``--profile-out`` writes a
@@ -56,6 +59,8 @@ def main() -> None:
     ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--profile-out", default=None, help="write a cProfile of the simulation here")
     ap.add_argument("--every", type=int, default=1, help="keep every K-th request of the trace")
+    ap.add_argument("--shared-prompts", type=int, default=None,
+                    help="request i takes prompt i %% K: prefixes shared among the requests (prefix-cache hits)")
     ap.add_argument("--hardware", default=None, help="a catalogue GPU: the analytic cost model instead of --profile")
     ap.add_argument("--model", default="llama-3.1-70b", help="with --hardware: the catalogue model")
     ap.add_argument("--tp", type=int, default=4, help="with --hardware: GPUs per replica")
@@ -66,7 +71,7 @@ def main() -> None:
     t0 = time.perf_counter()
     trace = load_trace("azure", a.trace, limit=a.limit)[:: a.every]
     for i, r in enumerate(trace):
-        r.prompt_token_ids = distinct_prompt(i, r.prompt_tokens)
+        r.prompt_token_ids = distinct_prompt(i % a.shared_prompts if a.shared_prompts else i, r.prompt_tokens)
     reqs = make_requests(trace, None)
     t_load = time.perf_counter() - t0
     if a.hardware:
@@ -90,7 +95,8 @@ def main() -> None:
         prof.disable()
         prof.dump_stats(a.profile_out)
     s = summarize(outs, engine.steps, len(trace))
-    print(json.dumps({"requests": len(trace), "prefix_caching": a.prefix_caching, "steps": len(engine.steps),
+    print(json.dumps({"requests": len(trace), "prefix_caching": a.prefix_caching,
+                      "shared_prompts": a.shared_prompts, "steps": len(engine.steps),
                       "load_s": round(t_load, 2), "simulate_s": round(t_sim, 2),
                       "simulate_cpu_s": round(c_sim, 2),
                       "us_per_step": round(1e6 * t_sim / max(len(engine.steps), 1), 1),
