@@ -3,7 +3,7 @@ synthesized from the Azure 2023 conversation trace, streamed through the cluster
 a test).
 
     python benchmarks/cluster_day.py [--requests 1000000] [--replicas 8] [--model llama-3.1-70b]
-        [--hardware h100-sxm] [--tp 4] [--router least_outstanding] [--duration-s 86400] [--out FILE]
+        [--hardware h100-sxm] [--tp 4] [--router least_outstanding] [--duration-s 86400] [--out FILE] [--native]
 
 The day: ``workbench.traces.day.synthesize_day`` over the trace (arrivals a gamma renewal process with the
 trace's mean rate and gap CV, each request's prompt and output lengths drawn together from the trace, seed 0),
@@ -32,6 +32,10 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--native" in sys.argv:  # before anything imports engines: the compiled copy (workbench/native.py)
+    from workbench import native
+
+    native.activate()
 
 from engines.core.request import Request  # noqa: E402
 from engines.core.router import make_router  # noqa: E402
@@ -116,6 +120,8 @@ class DayMetrics:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--native", action="store_true",
+                    help="run the engines' hot modules compiled by mypyc (workbench/native.py; same code, same results)")
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--duration-s", type=float, default=86400.0)
     ap.add_argument("--replicas", type=int, default=8)
@@ -141,7 +147,7 @@ def main() -> None:
     served = [0] * a.replicas
     for i in run.replica_of.values():
         served[i] += 1
-    res = {"requests": a.requests, "day_s": a.duration_s, "replicas": a.replicas, "model": a.model,
+    res = {"requests": a.requests, "native": a.native, "day_s": a.duration_s, "replicas": a.replicas, "model": a.model,
            "hardware": a.hardware, "tp": a.tp, "router": a.router,
            "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "steps": m.steps,
            "us_per_replica_step": round(1e6 * cpu / max(m.steps, 1), 1),

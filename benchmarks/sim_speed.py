@@ -1,7 +1,7 @@
 """Simulator speed: replay the whole Azure 2023 conversation trace (19,366 requests, unscaled lengths)
 on the simulated paged engine with the committed CPU cost model, and time it (a benchmark, not a test).
 
-    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--every K] [--no-prefix-caching] [--shared-prompts K]
+    python benchmarks/sim_speed.py [--trace PATH] [--limit N] [--every K] [--no-prefix-caching] [--shared-prompts K] [--native]
         [--profile-out FILE]
         [--hardware h100-sxm --model llama-3.1-70b --tp 4]
 
@@ -31,6 +31,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--native" in sys.argv:  # before anything imports engines: the compiled copy (workbench/native.py)
+    from workbench import native
+
+    native.activate()
 
 from engines.core.config import ModelConfig  # noqa: E402
 from engines.factory import EngineConfig, build_engine, build_sim_engine  # noqa: E402
@@ -53,6 +57,8 @@ def distinct_prompt(i: int, n: int) -> list[int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--native", action="store_true",
+                    help="run the engines' hot modules compiled by mypyc (workbench/native.py; same code, same results)")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--profile", default=str(ROOT / "workbench" / "data" / "profiles" / "ci-reference.json"))
     ap.add_argument("--kv-cache-tokens", type=int, default=1_000_000)
@@ -96,7 +102,7 @@ def main() -> None:
         prof.dump_stats(a.profile_out)
     s = summarize(outs, engine.steps, len(trace))
     print(json.dumps({"requests": len(trace), "prefix_caching": a.prefix_caching,
-                      "shared_prompts": a.shared_prompts, "steps": len(engine.steps),
+                      "shared_prompts": a.shared_prompts, "native": a.native, "steps": len(engine.steps),
                       "load_s": round(t_load, 2), "simulate_s": round(t_sim, 2),
                       "simulate_cpu_s": round(c_sim, 2),
                       "us_per_step": round(1e6 * t_sim / max(len(engine.steps), 1), 1),

@@ -20,9 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-
-class BlockPoolError(RuntimeError):
-    """Raised on a bookkeeping bug: freeing a free block (ref count would go negative)."""
+from engines.core.errors import BlockPoolError  # noqa: F401  (raised here; importable from here)
 
 
 BlockHash = bytes

@@ -191,7 +191,9 @@ class PagedKVCacheManager:
         if cow >= 0:
             if max(need, 0) + 1 > self.pool.num_free_blocks:
                 return False
-            (dst,) = self.pool.allocate(1)
+            got = self.pool.allocate(1)
+            assert got is not None  # one free block was checked for just above
+            dst = got[0]
             src = table[cow]
             self.pending_copies.append((src, dst))
             self.pool.free([src])

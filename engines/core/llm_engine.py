@@ -20,7 +20,14 @@ from engines.core.scheduler import Scheduler, SchedulerOutput
 from engines.core.static_scheduler import StaticScheduler
 from engines.core.step_shape import StepShape
 
+try:  # compiled by mypyc (workbench/native.py), some classes stay open to interpreted subclasses
+    from mypy_extensions import mypyc_attr
+except ImportError:  # plain Python: the decorator does nothing
+    def mypyc_attr(*attrs: str, **kwattrs: object):  # type: ignore[misc]
+        return lambda cls: cls
 
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # workbench.openai_replay.StreamedOutput
 @dataclass
 class RequestOutput:
     """A finished (or rejected) request, as ``LLM.generate`` returns it.
@@ -131,6 +138,7 @@ class StepRecord:
                          self.num_sampled, self.padding_ctx, self.scattered_ctx)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # engines.sim.spec_decode.SpecDecodeSimEngine
 class LLMEngine:
     """Drives a scheduler and an executor.
 

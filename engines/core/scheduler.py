@@ -115,6 +115,9 @@ class SchedulerOutput:
     # which costs more than the rest of a small simulated step)
     _shape: StepShape | None = field(default=None, init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self._shape = None  # set here too: mypyc-compiled dataclasses leave an init=False field unset
+
     @property
     def shape(self) -> StepShape:
         """What the step computes (computed once: the step record and the simulator's cost model both read it)."""
@@ -225,7 +228,7 @@ class Scheduler:
         the accepted drafts and the sampled token one by one, stopping at the first that ends the request
         (the rest are dropped). Returns the requests that finished in this step.
         """
-        finished = []
+        finished: list[Request] = []
         requests, prompt_lps, beams = self.requests, result.prompt_logprobs, result.beam_candidates
         for seq in output.seqs:
             if seq.is_padding:
@@ -280,7 +283,10 @@ class Scheduler:
     def add_fork(self, child: Request) -> None:
         """Register a sequence forked off ``child.parent_id`` (the caller puts it in a queue)."""
         self.requests[child.request_id] = child
-        self._num_forks[child.parent_id] = self._num_forks.get(child.parent_id, 0) + 1
+        parent = child.parent_id
+        if parent is None:
+            raise ValueError(f"request {child.request_id}: a forked sequence must name its parent (parent_id)")
+        self._num_forks[parent] = self._num_forks.get(parent, 0) + 1
 
     def finish_request(self, request_id: str, status: RequestStatus, stop_reason=None) -> Request | None:
         """End a request (stop string, abort, ...): release its KV and drop it from the queues."""
