@@ -259,8 +259,7 @@ class PagedKVCacheManager:
     def scatter(self, request_id: str) -> float:
         """Share of the request's block-table neighbours that are not consecutive block ids (0: one contiguous
         run, or fewer than two blocks): ``engines.core.step_shape`` scatter, kept up to date as the table changes."""
-        n = len(self.block_tables.get(request_id, ()))
-        return self._breaks.get(request_id, 0) / (n - 1) if n >= 2 else 0.0
+        return self.table_and_scatter(request_id)[1]
 
     def table_and_scatter(self, request_id: str) -> tuple[list[int], float]:
         """:meth:`block_table` and :meth:`scatter` in one call (the scheduler asks for both for every row of
