@@ -25,6 +25,24 @@ def test_fingerprint_names_machine_and_computation(tiny_llama_dir):
     assert fingerprint("tiny", tiny_llama_dir) == fp  # deterministic: the cache key is stable
 
 
+def test_model_config_digest_ignores_the_writer_version_but_not_the_architecture(tmp_path):
+    """``workbench model pull`` writes config.json with the installed transformers, whose version lands in the
+    file: a new transformers release must not make the committed profiles refuse the same model."""
+    import json
+
+    from workbench.calibration import model_config_digest
+
+    cfg = {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "transformers_version": "5.24.0",
+           "_model_name_or_path": "a"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg, indent=2))
+    before = model_config_digest(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "transformers_version": "5.25.0",
+                                                      "_model_name_or_path": "b"}))
+    assert model_config_digest(tmp_path) == before
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 29}))
+    assert model_config_digest(tmp_path) != before
+
+
 def test_fingerprint_changes_with_the_engine_kernels(tiny_llama_dir, monkeypatch):
     """A profile cached for older kernels (another kernel source or engine speed revision) is not reused."""
     import engines.real

@@ -67,13 +67,25 @@ def fingerprint(model_name: str, model_dir: Path, dtype: str = "float32", attent
 
     if attention is None:
         attention = pick_attention("auto", getattr(torch, dtype), torch.device("cpu")).name
-    cfg = (Path(model_dir) / "config.json").read_bytes()
     return {"cpu": cpu_name(), "isa": list(cpu_flags()), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads or target_threads(), "torch": torch.__version__, "model": model_name,
-            "model_config_sha256": hashlib.sha256(cfg).hexdigest()[:16], "dtype": dtype,
+            "model_config_sha256": model_config_digest(model_dir), "dtype": dtype,
             "weight_dtype": real_weight_dtype(weight_dtype, dtype),
             "attention": attention, "linear": resolve_linear_backend("auto", torch.device("cpu"), getattr(torch, dtype)),
             "kernels": f"r{ENGINE_SPEED_REVISION}-{source_sha256()}", "profile_format": PROFILE_FORMAT}
+
+
+def model_config_digest(model_dir: Path) -> str:
+    """First 16 hex digits of the sha256 of the model's ``config.json`` as canonical JSON (keys sorted), without
+    the fields that do not change the computation: ``transformers_version`` (the version that wrote the file;
+    ``workbench model pull`` writes it with the installed transformers) and names starting with ``_``.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    kept = {k: v for k, v in cfg.items() if k != "transformers_version" and not k.startswith("_")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def profile_key(fp: dict) -> str:

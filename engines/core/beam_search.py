@@ -32,8 +32,13 @@ beam rank, then by the candidate's rank within its beam (``torch.topk`` leaves t
 unspecified).
 
 Beams join ``running`` when forked, like parallel-sampling children; admission reserves ``beam_width``
-sequences under ``max_num_seqs`` for a beam-search request (``PagedScheduler.num_seqs``). A beam that got its candidates but is preempted before its siblings get theirs drops them and computes
-its last token again (recompute: its whole sequence) before the selection can run.
+sequences under ``max_num_seqs`` for a beam-search request (``PagedScheduler.num_seqs``). A beam that
+got its candidates but is preempted before its siblings get theirs drops them and computes its last
+token again before the selection can run; after a recompute preemption it comes back sharing the full
+blocks a live sibling holds with the same tokens (``shared_prefix``), so its group needs no more blocks
+than before. When every running request is a beam holding its candidates while the siblings it waits for
+cannot get blocks, ``PagedScheduler`` lets the oldest such search go on and preempts the other searches'
+beams (``_unblock_beams``), so the search never stalls.
 """
 
 from __future__ import annotations
@@ -275,6 +280,44 @@ class BeamSearch:
         group = self.groups.get(req.parent_id or req.request_id)
         if group is not None and group.pending.pop(req.request_id, None) is not None:
             req.num_computed_tokens -= 1
+
+    def shared_prefix(self, req: Request, kv) -> tuple[list[int], int]:
+        """For a beam coming back from a recompute preemption: the blocks of its longest run of leading full
+        blocks whose tokens a live sibling beam holds and has computed, as ``(block ids, tokens)`` to pass to
+        ``allocate_slots`` like a prefix-cache hit (``([], 0)`` when none, or when the request asks for
+        prompt log-probabilities, which need every prompt position computed).
+
+        Without it a re-admitted beam would recompute its whole sequence into blocks of its own, and its
+        group, which fitted the pool only because forks share their prompt's blocks, could then need more
+        blocks than the pool has while a sibling holds its candidates and waits: the search would stall.
+        At most ``num_tokens_total - 1`` tokens are shared, so the last token is computed (its candidates
+        are needed), as with a prefix-cache hit.
+        """
+        group = self.groups.get(req.parent_id) if req.parent_id is not None else None
+        if group is None or req.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        bs, toks = kv.block_size, req.all_token_ids
+        best: list[int] = []
+        for sib in group.beams:
+            table = kv.block_tables.get(sib.request_id) if sib is not req else None
+            if not table:
+                continue
+            # a sibling's blocks before its last one are full and computed, or written in this step's forward
+            # pass (K/V of every row are written before any row's attention reads them, as a prefix-cache hit
+            # on a block allocated this step is); its last one only once computed
+            full = max(sib.num_computed_tokens // bs, len(table) - 1)
+            limit = min((len(toks) - 1) // bs, full, len(table))
+            stoks, k = sib.all_token_ids, 0
+            while k < limit and toks[k * bs : (k + 1) * bs] == stoks[k * bs : (k + 1) * bs]:
+                k += 1
+            if k > len(best):
+                best = table[:k]
+        return best, len(best) * bs
+
+    def awaits_siblings(self, req: Request) -> bool:
+        """Whether ``req`` is a beam holding its candidates for this step until its siblings have theirs."""
+        group = self.groups.get(req.parent_id or req.request_id)
+        return group is not None and req.request_id in group.pending
 
     def on_finish(self, sched, request_id: str) -> None:
         """A beam-search request ends from outside (abort): free its beams."""

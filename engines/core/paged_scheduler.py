@@ -137,10 +137,26 @@ class PagedScheduler(Scheduler):
             idx += 1
 
         # Swap in, then admit waiting requests, only when nothing was preempted in this step (as vLLM does).
+        if not preempted and (self.swapped or self.waiting):
+            budget = self._admit(out, budget)
+        # an empty step whose running requests are all beams waiting for their siblings' candidates: a deadlock
+        if not seqs and self.running and (self.swapped or self.waiting) and self.beam_search.groups:
+            budget = self._admit(out, self._unblock_beams(out, budget))
+
+        out.blocks_to_copy.extend(self.kv.pending_copies)
+        self.kv.pending_copies.clear()
+        out.kv_stats = self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding})
+        out.num_running, out.num_waiting, out.num_swapped = len(self.running), len(self.waiting), len(self.swapped)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Swap in swapped-out requests, then admit waiting ones, in order, while the token budget, the
+        pool and ``max_num_seqs`` allow; appends their rows to ``out.seqs``. Returns the budget left."""
+        seqs = out.seqs
         # A request is let in only when all the sequences it will fork into fit under max_num_seqs.
         max_seqs = self.config.max_num_seqs
-        num_seqs = self._num_running_seqs() if not preempted and (self.swapped or self.waiting) else 0
-        while not preempted and self.swapped and budget > 0 and num_seqs + self.num_seqs(self.swapped[0]) <= max_seqs:
+        num_seqs = self._num_running_seqs()
+        while self.swapped and budget > 0 and num_seqs + self.num_seqs(self.swapped[0]) <= max_seqs:
             req = self.swapped[0]
             n = self._num_new_tokens(req, budget)
             if n == 0:
@@ -156,32 +172,95 @@ class PagedScheduler(Scheduler):
             seqs.append(self._seq(req, n))
             budget -= n
 
-        while (not preempted and not self.swapped and self.waiting and budget > 0
+        while (not self.swapped and self.waiting and budget > 0
                and num_seqs + self.num_seqs(self.waiting[0]) <= max_seqs):
             req = self.waiting[0]
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
-            req.num_computed_tokens += num_hit  # provisionally, to size the new tokens
-            n = self._num_new_tokens(req, budget)
-            req.num_computed_tokens -= num_hit
-            if n == 0 or not self.kv.allocate_slots(req, n, hit_blocks):
+            n = self._start(req, budget, out)
+            if n == 0:
                 break
-            self.kv.record_prefix_query(req, num_hit)
-            if self.kv.enable_caching and not req.num_preemptions:
-                out.prefix_cache_queries += req.num_tokens_total
-                out.prefix_cache_hits += num_hit
-            req.num_computed_tokens += num_hit
             self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
             num_seqs += self.num_seqs(req)
-            seqs.append(self._seq(req, n))
             budget -= n
+        return budget
 
-        out.blocks_to_copy.extend(self.kv.pending_copies)
-        self.kv.pending_copies.clear()
-        out.kv_stats = self.kv_stats({q.request_id: q.num_tokens for q in seqs if not q.is_padding})
-        out.num_running, out.num_waiting, out.num_swapped = len(self.running), len(self.waiting), len(self.swapped)
-        return out
+    def _unblock_beams(self, out: SchedulerOutput, budget: int) -> int:
+        """Break a beam-search deadlock, when nothing could be scheduled and every running request is a beam
+        holding its candidates until its siblings have theirs, while those siblings (or requests ahead of
+        them) wait for blocks the running beams hold. The oldest such search goes on: every other running
+        beam is preempted by recompute (it drops its candidates; recorded in ``out.preempted_ids``), the
+        oldest search's swapped-out beams are turned into recompute ones, and its waiting beams are let in
+        first, sharing their running siblings' blocks (:meth:`BeamSearch.shared_prefix`). If none of them
+        fits, its running beams are preempted too and the whole search comes back from recompute. Always
+        favouring the oldest search (as preemption spares the oldest requests) means each deadlock ends
+        with it advancing, so searches cannot take turns evicting each other forever. Returns the budget
+        left; does nothing when some running request is not such a beam."""
+        if not all(map(self.beam_search.awaits_siblings, self.running)):
+            return budget
+        held = {r.parent_id or r.request_id for r in self.running}
+        keep = next(g for g in self.beam_search.groups if g in held)
+        for req in [r for r in self.running if (r.parent_id or r.request_id) != keep]:
+            self._preempt_to_recompute(req, out)
+        for req in [r for r in self.swapped if (r.parent_id or r.request_id) == keep]:
+            self.swapped.remove(req)
+            self.kv.free(req)  # its CPU copy: it comes back sharing its siblings' blocks instead
+            req.num_computed_tokens = 0
+            self.waiting.append(req)
+        beams = [r for r in self.waiting if (r.parent_id or r.request_id) == keep]
+        if not beams:
+            return budget
+        for req in beams:
+            self.waiting.remove(req)
+        self.waiting.extendleft(reversed(beams))
+        budget = self._start_beams(beams, budget, out)
+        if len(out.seqs) == 0:  # not even one fits beside its siblings: the whole search starts again
+            for req in [r for r in self.running if (r.parent_id or r.request_id) == keep]:
+                self._preempt_to_recompute(req, out)
+            budget = self._start_beams([r for r in self.waiting if (r.parent_id or r.request_id) == keep],
+                                       budget, out)
+        return budget
+
+    def _start_beams(self, beams: list[Request], budget: int, out: SchedulerOutput) -> int:
+        """Let ``beams`` (waiting beams of one search) in, in order, while they fit; returns the budget left."""
+        for req in beams:
+            if budget <= 0 or self._num_running_seqs() >= self.config.max_num_seqs:
+                break
+            n = self._start(req, budget, out)
+            if n == 0:
+                break
+            self.waiting.remove(req)
+            budget -= n
+        return budget
+
+    def _preempt_to_recompute(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt running ``req`` by recompute, queueing it at the front of ``waiting``."""
+        self.running.remove(req)
+        self._preempt(req)  # without ``out`` a preemption always frees the blocks (recompute)
+        out.preempted_ids.append(req.request_id)
+
+    def _start(self, req: Request, budget: int, out: SchedulerOutput) -> int:
+        """Let waiting request ``req`` run: reuse its prefix-cache hit (or, for a preempted beam, its live
+        siblings' blocks when they cover more), allocate slots for the rest its budget allows, move it to
+        ``running`` and append its row to ``out.seqs``. The caller takes it off ``waiting``. Returns the
+        tokens scheduled (0: it does not fit the budget or the pool, and nothing changed)."""
+        hit_blocks, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+        if req.parent_id is not None and req.num_computed_tokens == 0 and self.beam_search.groups:
+            shared = self.beam_search.shared_prefix(req, self.kv)  # a preempted beam: its siblings' blocks
+            if shared[1] > num_hit:
+                hit_blocks, num_hit = shared
+        req.num_computed_tokens += num_hit  # provisionally, to size the new tokens
+        n = self._num_new_tokens(req, budget)
+        req.num_computed_tokens -= num_hit
+        if n == 0 or not self.kv.allocate_slots(req, n, hit_blocks):
+            return 0
+        self.kv.record_prefix_query(req, num_hit)
+        if self.kv.enable_caching and not req.num_preemptions:
+            out.prefix_cache_queries += req.num_tokens_total
+            out.prefix_cache_hits += num_hit
+        req.num_computed_tokens += num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.seqs.append(self._seq(req, n))
+        return n
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for ``req`` this step (``[]``: none): only a request in decode (its one uncomputed
