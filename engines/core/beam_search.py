@@ -85,6 +85,11 @@ class Hypothesis:
     finish_reason: str
 
 
+def group_id(req: Request) -> str:
+    """The id of the request a sequence belongs to (its beam group's key): its parent's, or its own."""
+    return req.parent_id or req.request_id
+
+
 @dataclass
 class BeamGroup:
     """The beam-search state of one request.
@@ -196,7 +201,7 @@ class BeamSearch:
             req = sched.requests.get(seq.request_id)
             if cands is None or req is None or req.is_finished:
                 continue
-            group = self.groups.get(req.parent_id or req.request_id)
+            group = self.groups.get(group_id(req))
             if group is None:  # the request's prompt has just been computed: it is the only beam
                 group = self.groups[req.request_id] = BeamGroup(req, [req], {req.request_id: 0.0})
             if req not in group.beams:
@@ -277,7 +282,7 @@ class BeamSearch:
     def on_preempt(self, req: Request) -> None:
         """A beam waiting for its siblings' candidates is preempted: drop its candidates and make it compute
         its last token again (a swapped beam resumes with one token to compute)."""
-        group = self.groups.get(req.parent_id or req.request_id)
+        group = self.groups.get(group_id(req))
         if group is not None and group.pending.pop(req.request_id, None) is not None:
             req.num_computed_tokens -= 1
 
@@ -305,8 +310,7 @@ class BeamSearch:
             # a sibling's blocks before its last one are full and computed, or written in this step's forward
             # pass (K/V of every row are written before any row's attention reads them, as a prefix-cache hit
             # on a block allocated this step is); its last one only once computed
-            full = max(sib.num_computed_tokens // bs, len(table) - 1)
-            limit = min((len(toks) - 1) // bs, full, len(table))
+            limit = min((len(toks) - 1) // bs, max(sib.num_computed_tokens // bs, len(table) - 1))
             stoks, k = sib.all_token_ids, 0
             while k < limit and toks[k * bs : (k + 1) * bs] == stoks[k * bs : (k + 1) * bs]:
                 k += 1
@@ -316,7 +320,7 @@ class BeamSearch:
 
     def awaits_siblings(self, req: Request) -> bool:
         """Whether ``req`` is a beam holding its candidates for this step until its siblings have theirs."""
-        group = self.groups.get(req.parent_id or req.request_id)
+        group = self.groups.get(group_id(req))
         return group is not None and req.request_id in group.pending
 
     def on_finish(self, sched, request_id: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engines.core.beam_search import BeamSearch
+from engines.core.beam_search import BeamSearch, group_id
 from engines.core.config import SchedulerConfig
 from engines.core.kv_cache_manager import KVStats, PagedKVCacheManager
 from engines.core.request import Request, RequestStatus
@@ -196,27 +196,26 @@ class PagedScheduler(Scheduler):
         left; does nothing when some running request is not such a beam."""
         if not all(map(self.beam_search.awaits_siblings, self.running)):
             return budget
-        held = {r.parent_id or r.request_id for r in self.running}
+        held = {group_id(r) for r in self.running}
         keep = next(g for g in self.beam_search.groups if g in held)
-        for req in [r for r in self.running if (r.parent_id or r.request_id) != keep]:
+        for req in [r for r in self.running if group_id(r) != keep]:
             self._preempt_to_recompute(req, out)
-        for req in [r for r in self.swapped if (r.parent_id or r.request_id) == keep]:
+        for req in [r for r in self.swapped if group_id(r) == keep]:
             self.swapped.remove(req)
             self.kv.free(req)  # its CPU copy: it comes back sharing its siblings' blocks instead
             req.num_computed_tokens = 0
             self.waiting.append(req)
-        beams = [r for r in self.waiting if (r.parent_id or r.request_id) == keep]
+        beams = [r for r in self.waiting if group_id(r) == keep]
         if not beams:
             return budget
         for req in beams:
             self.waiting.remove(req)
         self.waiting.extendleft(reversed(beams))
         budget = self._start_beams(beams, budget, out)
-        if len(out.seqs) == 0:  # not even one fits beside its siblings: the whole search starts again
-            for req in [r for r in self.running if (r.parent_id or r.request_id) == keep]:
+        if not out.seqs:  # not even one fits beside its siblings: the whole search starts again
+            for req in [r for r in self.running if group_id(r) == keep]:
                 self._preempt_to_recompute(req, out)
-            budget = self._start_beams([r for r in self.waiting if (r.parent_id or r.request_id) == keep],
-                                       budget, out)
+            budget = self._start_beams([r for r in self.waiting if group_id(r) == keep], budget, out)
         return budget
 
     def _start_beams(self, beams: list[Request], budget: int, out: SchedulerOutput) -> int:
