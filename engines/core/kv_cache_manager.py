@@ -45,6 +45,17 @@ class KVStats:
     internal_frag: int
     external_frag: int
 
+    # Written out rather than generated, with the fields and defaults declared above: mypyc compiles this one,
+    # while the ``__init__`` that ``dataclasses`` generates runs interpreted even in the compiled build (one per step).
+    def __init__(self, total_slots: int, allocated: int, token_states: int, reserved: int, internal_frag: int,
+                 external_frag: int) -> None:
+        self.total_slots = total_slots
+        self.allocated = allocated
+        self.token_states = token_states
+        self.reserved = reserved
+        self.internal_frag = internal_frag
+        self.external_frag = external_frag
+
     @property
     def waste_frac(self) -> float:
         """1 - token_states / allocated (0 when nothing is allocated)."""

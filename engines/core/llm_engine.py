@@ -16,7 +16,7 @@ from typing import Callable
 from engines.core.detokenizer import IncrementalDetokenizer
 from engines.core.kv_cache_manager import PagedKVCacheManager
 from engines.core.request import Request, RequestStatus
-from engines.core.scheduler import Scheduler, SchedulerOutput
+from engines.core.scheduler import Scheduler, SchedulerOutput, StepResult
 from engines.core.static_scheduler import StaticScheduler
 from engines.core.step_shape import StepShape
 
@@ -130,6 +130,57 @@ class StepRecord:
     spec_accepted_tokens: int = 0
     comm_time: float = 0.0
 
+    # Written out rather than generated, with the fields and defaults declared above: mypyc compiles this one,
+    # while the ``__init__`` that ``dataclasses`` generates runs interpreted even in the compiled build (one per step).
+    def __init__(self, step: int, start: float, duration: float, num_seqs: int, num_prefill_tokens: int,
+                 num_decode_tokens: int, num_padding_seqs: int, num_running: int, num_waiting: int,
+                 num_preemptions: int, kv_total_slots: int, kv_allocated: int, kv_token_states: int,
+                 kv_reserved: int, kv_internal_frag: int, kv_external_frag: int, prefix_cache_queries: int = 0,
+                 prefix_cache_hits: int = 0, num_preemptions_swap: int = 0, num_swapped: int = 0,
+                 swap_out_blocks: int = 0, swap_in_blocks: int = 0, swap_bytes: int = 0, swap_time: float = 0.0,
+                 kv_shared_saved: int = 0, num_tokens: int = 0, decode_ctx: int = 0, num_prefill_seqs: int = 0,
+                 prefill_attn: int = 0, prefill_ctx: int = 0, num_sampled: int = 0, padding_ctx: int = 0,
+                 scattered_ctx: float = 0.0, overhead: float = 0.0, spec_drafts: int = 0, spec_draft_tokens: int = 0,
+                 spec_accepted_tokens: int = 0, comm_time: float = 0.0) -> None:
+        self.step = step
+        self.start = start
+        self.duration = duration
+        self.num_seqs = num_seqs
+        self.num_prefill_tokens = num_prefill_tokens
+        self.num_decode_tokens = num_decode_tokens
+        self.num_padding_seqs = num_padding_seqs
+        self.num_running = num_running
+        self.num_waiting = num_waiting
+        self.num_preemptions = num_preemptions
+        self.kv_total_slots = kv_total_slots
+        self.kv_allocated = kv_allocated
+        self.kv_token_states = kv_token_states
+        self.kv_reserved = kv_reserved
+        self.kv_internal_frag = kv_internal_frag
+        self.kv_external_frag = kv_external_frag
+        self.prefix_cache_queries = prefix_cache_queries
+        self.prefix_cache_hits = prefix_cache_hits
+        self.num_preemptions_swap = num_preemptions_swap
+        self.num_swapped = num_swapped
+        self.swap_out_blocks = swap_out_blocks
+        self.swap_in_blocks = swap_in_blocks
+        self.swap_bytes = swap_bytes
+        self.swap_time = swap_time
+        self.kv_shared_saved = kv_shared_saved
+        self.num_tokens = num_tokens
+        self.decode_ctx = decode_ctx
+        self.num_prefill_seqs = num_prefill_seqs
+        self.prefill_attn = prefill_attn
+        self.prefill_ctx = prefill_ctx
+        self.num_sampled = num_sampled
+        self.padding_ctx = padding_ctx
+        self.scattered_ctx = scattered_ctx
+        self.overhead = overhead
+        self.spec_drafts = spec_drafts
+        self.spec_draft_tokens = spec_draft_tokens
+        self.spec_accepted_tokens = spec_accepted_tokens
+        self.comm_time = comm_time
+
     @property
     def shape(self) -> StepShape:
         """The step's ``StepShape``, rebuilt from the recorded fields."""
@@ -185,7 +236,7 @@ class LLMEngine:
         if self.on_schedule is not None:
             self.on_schedule(out)
         start = self.clock()
-        result = self.executor.execute(out)
+        result: StepResult = self.executor.execute(out)  # typed: mypyc reads its fields natively
         now = self.clock()
         self._last_swap_time = result.swap_time
         self._record(out, start, now - start)
@@ -312,8 +363,9 @@ class LLMEngine:
                 out, token_ids=list(h.token_ids), text=text, finish_reason=h.finish_reason, seq_index=i,
                 cumulative_logprob=h.cumulative_logprob, beam_score=h.score, outputs=[]))
 
-    def _record(self, out, start: float, duration: float) -> None:
+    def _record(self, out: SchedulerOutput, start: float, duration: float) -> None:
         kv, shape = out.kv_stats, out.shape
+        assert kv is not None, "a scheduler's output carries its KV statistics"
         n_out, n_in = len(out.blocks_to_swap_out), len(out.blocks_to_swap_in)
         # positional, in StepRecord's field order (keywords and a merged dict cost more than the rest of a
         # small simulated step)
@@ -336,7 +388,7 @@ class LLMEngine:
         kv = getattr(self.scheduler, "kv", None)
         return kv_shared_saved(kv, self.scheduler.running) if isinstance(kv, PagedKVCacheManager) else 0
 
-    def _record_spec(self, out: SchedulerOutput, result) -> None:
+    def _record_spec(self, out: SchedulerOutput, result: StepResult) -> None:
         """The last step record's speculative-decoding counts and communication time."""
         rec = self.steps[-1]
         rec.comm_time = result.comm_time or getattr(self.executor, "last_comm_time", 0.0)

@@ -115,7 +115,7 @@ class PagedScheduler(Scheduler):
         out = SchedulerOutput(seqs=seqs)
         preempted = out.preempted_ids
 
-        idx, running, allocate = 0, self.running, self.kv.allocate_slots
+        idx, running, kv = 0, self.running, self.kv  # kv.allocate_slots called as a method: mypyc calls it natively
         while idx < len(running) and budget > 0:
             req = running[idx]
             n = req.num_tokens_total - req.num_computed_tokens
@@ -125,12 +125,12 @@ class PagedScheduler(Scheduler):
                     idx += 1
                     continue
             drafts = self._drafts(req, n, budget) if self.spec is not None else None
-            if drafts and allocate(req, n + len(drafts)):
+            if drafts and kv.allocate_slots(req, n + len(drafts)):
                 seqs.append(self._seq(req, n, drafts))
                 budget -= n + len(drafts)
                 idx += 1
                 continue
-            if not allocate(req, n) and not self._allocate_or_preempt(req, n, out):  # it retries, preempting
+            if not kv.allocate_slots(req, n) and not self._allocate_or_preempt(req, n, out):  # it retries, preempting
                 break
             seqs.append(self._seq(req, n))
             budget -= n

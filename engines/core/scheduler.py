@@ -67,6 +67,27 @@ class ScheduledSeq:
     # keeps it (the paged KV manager counts it as the table grows); None: ``StepShape.of`` counts it
     scatter: float | None = field(default=None, repr=False, compare=False)
 
+    # Written out rather than generated: mypyc compiles this one, while the ``__init__`` that ``dataclasses``
+    # generates is interpreted even in the compiled build, and one runs per scheduled row per step (the same
+    # fields and defaults as declared above).
+    def __init__(self, request_id: str, token_ids: list[int], start_pos: int, block_table: list[int], sample: bool,
+                 sampling_params: SamplingParams, is_padding: bool = False, num_spec: int = 0,
+                 drafts_pending: bool = False, fork_ids: Sequence[str] = (), fork_params: Sequence[SamplingParams] = (),
+                 request: Request | None = None, scatter: float | None = None) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.start_pos = start_pos
+        self.block_table = block_table
+        self.sample = sample
+        self.sampling_params = sampling_params
+        self.is_padding = is_padding
+        self.num_spec = num_spec
+        self.drafts_pending = drafts_pending
+        self.fork_ids = fork_ids
+        self.fork_params = fork_params
+        self.request = request
+        self.scatter = scatter
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -115,8 +136,26 @@ class SchedulerOutput:
     # which costs more than the rest of a small simulated step)
     _shape: StepShape | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        self._shape = None  # set here too: mypyc-compiled dataclasses leave an init=False field unset
+    # Written out rather than generated, with the fields and defaults declared above: mypyc compiles this one,
+    # while the ``__init__`` that ``dataclasses`` generates runs interpreted even in the compiled build (one per step).
+    def __init__(self, seqs: list[ScheduledSeq], preempted_ids: list[str] | None = None, kv_stats: KVStats | None = None,
+                 num_running: int = 0, num_waiting: int = 0, blocks_to_swap_out: list[tuple[int, int]] | None = None,
+                 blocks_to_swap_in: list[tuple[int, int]] | None = None,
+                 blocks_to_copy: list[tuple[int, int]] | None = None, num_preempted_swap: int = 0,
+                 num_swapped: int = 0, prefix_cache_queries: int = 0, prefix_cache_hits: int = 0) -> None:
+        self.seqs = seqs
+        self.preempted_ids = [] if preempted_ids is None else preempted_ids
+        self.kv_stats = kv_stats
+        self.num_running = num_running
+        self.num_waiting = num_waiting
+        self.blocks_to_swap_out = [] if blocks_to_swap_out is None else blocks_to_swap_out
+        self.blocks_to_swap_in = [] if blocks_to_swap_in is None else blocks_to_swap_in
+        self.blocks_to_copy = [] if blocks_to_copy is None else blocks_to_copy
+        self.num_preempted_swap = num_preempted_swap
+        self.num_swapped = num_swapped
+        self.prefix_cache_queries = prefix_cache_queries
+        self.prefix_cache_hits = prefix_cache_hits
+        self._shape = None
 
     @property
     def shape(self) -> StepShape:
@@ -150,6 +189,23 @@ class StepResult:
     spec_accepted: dict[str, list[int]] = field(default_factory=dict)
     # seconds of the step the executor spent in collective communication (tensor parallelism; 0 otherwise)
     comm_time: float = 0.0
+
+    # Written out rather than generated, with the fields and defaults declared above: mypyc compiles this one,
+    # while the ``__init__`` that ``dataclasses`` generates runs interpreted even in the compiled build (one per step).
+    def __init__(self, sampled: dict[str, int], duration: float, swap_time: float = 0.0,
+                 logprobs: dict[str, float] | None = None, token_logprobs: dict[str, TokenLogprob] | None = None,
+                 prompt_logprobs: dict[str, dict[int, TokenLogprob]] | None = None,
+                 beam_candidates: dict[str, list[tuple[int, float]]] | None = None,
+                 spec_accepted: dict[str, list[int]] | None = None, comm_time: float = 0.0) -> None:
+        self.sampled = sampled
+        self.duration = duration
+        self.swap_time = swap_time
+        self.logprobs = {} if logprobs is None else logprobs
+        self.token_logprobs = {} if token_logprobs is None else token_logprobs
+        self.prompt_logprobs = {} if prompt_logprobs is None else prompt_logprobs
+        self.beam_candidates = {} if beam_candidates is None else beam_candidates
+        self.spec_accepted = {} if spec_accepted is None else spec_accepted
+        self.comm_time = comm_time
 
 
 def record_prompt_logprobs(req: Request, computed: dict[int, TokenLogprob] | None) -> None:

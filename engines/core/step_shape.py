@@ -6,10 +6,15 @@ the real engine's own steps, and the simulator's cost model predicts a step's se
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotation only (the scheduler imports this module); typed, mypyc reads its fields natively
+    from engines.core.scheduler import ScheduledSeq
 
 
-@dataclass(frozen=True)
+@dataclass(unsafe_hash=True)
 class StepShape:
     """What one step computes.
 
@@ -46,8 +51,27 @@ class StepShape:
     padding_ctx: int = 0
     scattered_ctx: float = 0.0
 
+    # Written out rather than generated, with the fields and defaults declared above: mypyc compiles this one,
+    # while the ``__init__`` that ``dataclasses`` generates runs interpreted even in the compiled build (one per
+    # step). Not frozen, since a frozen class's fields can only be set through the slow ``object.__setattr__``;
+    # hashable by value all the same (``unsafe_hash``): treat a shape as immutable.
+    def __init__(self, tokens: int = 0, decode_rows: int = 0, padding_rows: int = 0, decode_ctx: int = 0,
+                 prefill_seqs: int = 0, prefill_tokens: int = 0, prefill_attn: int = 0, prefill_ctx: int = 0,
+                 sampled: int = 0, padding_ctx: int = 0, scattered_ctx: float = 0.0) -> None:
+        self.tokens = tokens
+        self.decode_rows = decode_rows
+        self.padding_rows = padding_rows
+        self.decode_ctx = decode_ctx
+        self.prefill_seqs = prefill_seqs
+        self.prefill_tokens = prefill_tokens
+        self.prefill_attn = prefill_attn
+        self.prefill_ctx = prefill_ctx
+        self.sampled = sampled
+        self.padding_ctx = padding_ctx
+        self.scattered_ctx = scattered_ctx
+
     @classmethod
-    def of(cls, seqs) -> "StepShape":
+    def of(cls, seqs: Sequence[ScheduledSeq]) -> "StepShape":
         """The shape of a step that runs ``seqs`` (``ScheduledSeq``)."""
         tokens = decode_rows = padding = decode_ctx = pseqs = ptok = pattn = pctx = sampled = pad_ctx = 0
         scattered = 0.0
@@ -72,7 +96,12 @@ class StepShape:
         return cls(tokens, decode_rows, padding, decode_ctx, pseqs, ptok, pattn, pctx, sampled, pad_ctx, scattered)
 
     def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+        """The fields by name, in declaration order (what ``dataclasses.asdict`` gives, without its deep copy: the
+        cost model asks for it every step)."""
+        return {"tokens": self.tokens, "decode_rows": self.decode_rows, "padding_rows": self.padding_rows,
+                "decode_ctx": self.decode_ctx, "prefill_seqs": self.prefill_seqs, "prefill_tokens": self.prefill_tokens,
+                "prefill_attn": self.prefill_attn, "prefill_ctx": self.prefill_ctx, "sampled": self.sampled,
+                "padding_ctx": self.padding_ctx, "scattered_ctx": self.scattered_ctx}
 
     @property
     def kind(self) -> str:

@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 from engines.core.llm_engine import LLMEngine, RequestOutput
 from engines.core.request import Request
 from engines.sim.simulator import (ArrivalEvent, ClosedLoopUsers, Event, OutputSink, StepEndEvent, VirtualClock, drain_steps,
-                                   push)
+                                   push, without_cycle_collection)
 
 
 @dataclass(slots=True)
@@ -63,12 +63,16 @@ class _FleetLoad:
 
     def __init__(self, replicas: list[LLMEngine]) -> None:
         self.replicas = replicas
-        self.scheduler = self
+
+    @property
+    def scheduler(self) -> "_FleetLoad":
+        return self  # a property, not an attribute: no reference cycle (the run pauses the cycle collector)
 
     def num_unanswered(self) -> int:
         return sum(r.scheduler.num_unanswered() for r in self.replicas)
 
 
+@without_cycle_collection
 def simulate_cluster(replicas: list[LLMEngine], router, requests: Iterable[Request],
                      max_concurrency: int | None = None, on_output: Callable[[RequestOutput], None] | None = None,
                      on_steps: Callable[[list], None] | None = None, steps_window: int = 4096) -> ClusterRun:

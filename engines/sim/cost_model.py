@@ -69,6 +69,15 @@ def shape_features(shape: StepShape) -> dict[str, float]:
     return f
 
 
+def linear_terms(coef: dict[str, float], f: dict[str, float], names: tuple[str, ...]) -> float:
+    """``sum(coef[k] * f[k] for k in names)``, a missing name counting 0, added in the order of ``names`` (a loop, not
+    a generator: this runs every simulated step)."""
+    t = 0.0
+    for k in names:
+        t += coef.get(k, 0.0) * f.get(k, 0.0)
+    return t
+
+
 SCALE_SMALL_TOKENS = 64  # drift: steps up to this many tokens take ``speed_scale`` (memory-bound decodes)
 SCALE_LARGE_TOKENS = 256  # ... and steps from this many on ``speed_scale_large`` (compute-bound prefills)
 
@@ -131,11 +140,12 @@ class CostModel:
 
     def predict_exec(self, f: dict[str, float]) -> float:
         """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""
+        coef = self.coef
         if self.body_table:
             t = interp(self.body_table, self.body_rows(f["tokens"])) + self.predict_lm_head(f.get("sampled", 0.0))
-            t += sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in TABLE_FEATURES)
+            t += linear_terms(coef, f, TABLE_FEATURES)
         else:
-            t = sum(self.coef.get(k, 0.0) * f.get(k, 0.0) for k in FEATURES)
+            t = linear_terms(coef, f, FEATURES)
         return max(0.0, t) * self.scale(f.get("tokens", 0.0))
 
     def body_rows(self, tokens: float) -> float:
