@@ -212,6 +212,8 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._texts: dict[str, str] = {}
         self._last_swap_time = 0.0
+        self._comm_of: object = None  # the executor _record_spec last looked at, and whether it has last_comm_time
+        self._reports_comm = False
 
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue a request; returns its output at once if it is rejected."""
@@ -376,7 +378,8 @@ class LLMEngine:
             kv.total_slots, kv.allocated, kv.token_states, kv.reserved, kv.internal_frag, kv.external_frag,
             # memory management: prefix-cache lookups, swap preemptions and traffic, KV saved by sharing
             out.prefix_cache_queries, out.prefix_cache_hits, out.num_preempted_swap, out.num_swapped,
-            n_out, n_in, (n_out + n_in) * getattr(self.executor, "block_bytes", 0), self._last_swap_time,
+            n_out, n_in, (n_out + n_in) * getattr(self.executor, "block_bytes", 0) if n_out + n_in else 0,
+            self._last_swap_time,
             self._shared_saved(),
             shape.tokens, shape.decode_ctx, shape.prefill_seqs, shape.prefill_attn, shape.prefill_ctx,
             shape.sampled, shape.padding_ctx, shape.scattered_ctx,
@@ -391,7 +394,10 @@ class LLMEngine:
     def _record_spec(self, out: SchedulerOutput, result: StepResult) -> None:
         """The last step record's speculative-decoding counts and communication time."""
         rec = self.steps[-1]
-        rec.comm_time = result.comm_time or getattr(self.executor, "last_comm_time", 0.0)
+        ex = self.executor
+        if ex is not self._comm_of:  # whether the executor reports it, looked up once per executor: a failed
+            self._comm_of, self._reports_comm = ex, hasattr(ex, "last_comm_time")  # lookup raises, every step
+        rec.comm_time = result.comm_time or (ex.last_comm_time if self._reports_comm else 0.0)
         for s in out.seqs:
             if s.num_spec:
                 rec.spec_drafts += 1
