@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # for the annotation only (the scheduler imports this module); typed, mypyc reads its fields natively
-    from engines.core.scheduler import ScheduledSeq
+from engines.core.scheduled_seq import ScheduledSeq  # typed rows: compiled by mypyc, their fields are read natively
 
 
 @dataclass(unsafe_hash=True)
