@@ -105,6 +105,66 @@ def test_block_returns_to_queue_only_when_refcount_hits_zero():
     assert pool.allocate(2) == [1, 0]
 
 
+def test_free_queue_matches_an_ordered_dict_model():
+    """Random allocate / free / touch (a cache hit on a free block) keep the linked free queue in the same
+    LRU order as an OrderedDict model of it, with the same counts."""
+    import random
+    from collections import OrderedDict
+
+    rng = random.Random(7)
+    pool = BlockPool(12)
+    model: OrderedDict[int, None] = OrderedDict((i, None) for i in range(12))
+    held: list[int] = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(1, 4)
+            got = pool.allocate(n)
+            if n > len(model):
+                assert got is None
+            else:
+                assert got == [model.popitem(last=False)[0] for _ in range(n)]
+                held += got
+        elif op < 0.8 and held:
+            i = held.pop(rng.randrange(len(held)))
+            pool.free([i])
+            model[i] = None
+        elif model:  # take a free block from anywhere in the queue, as a prefix-cache hit does
+            i = rng.choice(list(model))
+            pool.touch([i])
+            del model[i]
+            held.append(i)
+        assert pool._free.block_ids() == list(model)
+        assert pool.num_free_blocks == len(model) == len(pool._free)
+
+
+def test_free_queue_remove_of_an_unqueued_block_raises():
+    pool = BlockPool(2)
+    pool.allocate(1)
+    with pytest.raises(BlockPoolError, match="block 0 is not in the free queue"):
+        pool._free.remove(pool.blocks[0])
+
+
+@pytest.mark.parametrize("extra", [None, "lora-7", ("salt", 3)])
+@pytest.mark.parametrize("n_tokens", [0, 3, 4, 13, 16])
+def test_hash_token_blocks_equals_chained_block_hashes(extra, n_tokens):
+    """The one-pack hashing of many blocks gives the digests of hashing block by block, chained from a
+    parent; a trailing partial block is left out."""
+    from engines.core.block_pool import hash_block_tokens, hash_token_blocks
+
+    ids = [(7919 * i) % 49152 for i in range(n_tokens)]
+    parent = hash_block_tokens(None, [5, 6, 7, 8], extra)
+    want, h = [], parent
+    for b in range(n_tokens // 4):
+        h = hash_block_tokens(h, ids[4 * b : 4 * b + 4], extra)
+        want.append(h)
+    assert hash_token_blocks(parent, ids, 4, extra) == want
+    assert hash_token_blocks(parent, tuple(ids), 4, extra) == want
+    assert len(want) == n_tokens // 4
+    with pytest.raises(TypeError):
+        hash_token_blocks(None, [1, 2, "3", 4], 4)
+
+
 # --------------------------------------------------------------------------------------------
 # PagedKVCacheManager
 # --------------------------------------------------------------------------------------------

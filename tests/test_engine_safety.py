@@ -57,7 +57,7 @@ def test_block_hash_is_sha256_of_a_canonical_encoding():
 def test_a_colliding_key_never_serves_another_prompts_kv(monkeypatch):
     """Every block hashes to the same key: a lookup must compare what the cached block holds and miss;
     the fake KV memory checks that every attended slot holds the request's own token."""
-    monkeypatch.setattr(kv_mod, "hash_block_tokens", lambda parent, toks, extra=None: b"\x00" * 32)
+    monkeypatch.setattr(kv_mod, "hash_token_blocks", lambda parent, toks, bs, extra=None: [b"\x00" * 32] * (len(toks) // bs))
     kv = PagedKVCacheManager(num_blocks=32, block_size=4, enable_caching=True)
     sched = PagedScheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=64), kv)
     fake = FakeKVExecutor(kv, sched)

@@ -171,7 +171,8 @@ def check_step(sched: PagedScheduler, out: SchedulerOutput) -> None:
             refs[b] = refs.get(b, 0) + 1
     for b in pool.blocks:
         assert b.ref_cnt == refs.get(b.block_id, 0)
-    assert set(pool._free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+    free = pool._free.block_ids()
+    assert len(free) == pool.num_free_blocks and set(free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
     for h, b in pool.cached.items():
         assert pool.blocks[b].block_hash == h
     assert pool.num_shared_blocks == sum(1 for b in pool.blocks if b.ref_cnt > 1)

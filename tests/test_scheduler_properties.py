@@ -117,7 +117,8 @@ def check_paged_step(sched: PagedScheduler, out: SchedulerOutput) -> None:
     assert pool.num_used_blocks == len(held)
     assert len(set(held)) == len(held), "a block appears in two tables (or twice in one)"
     assert all(pool.blocks[b].ref_cnt == 1 for b in held)
-    free = list(pool._free)
+    free = pool._free.block_ids()
+    assert len(free) == pool.num_free_blocks
     assert len(set(free)) == len(free)
     assert set(free) == set(range(pool.num_blocks)) - set(held)
     # only running requests hold blocks

@@ -14,10 +14,8 @@ queue (:meth:`BlockPool.touch`).
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
-from collections import OrderedDict
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from engines.core.errors import BlockPoolError  # noqa: F401  (raised here; importable from here)
@@ -31,6 +29,27 @@ BlockKey = tuple
 
 _NO_PARENT = bytes(32)
 _sha256 = hashlib.sha256
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as consecutive 8-byte little-endian signed integers, the encoding :func:`hash_block_tokens`
+    hashes (one ``struct.pack`` call: about a third of the time ``array("q", ids)`` takes per id).
+
+    Raises:
+        TypeError: an id is not an integer in int64 range.
+    """
+    try:
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as e:
+        raise TypeError(f"token ids must be integers in int64 range ({e})") from None
+
+
+def _extra_tail(extra_keys: Hashable | None) -> bytes:
+    """The encoding's last part: a flag, then the length-prefixed ``repr`` of ``extra_keys``."""
+    if extra_keys is None:
+        return b"\x00"
+    e = repr(extra_keys).encode()
+    return b"\x01" + len(e).to_bytes(8, "little") + e
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
@@ -52,30 +71,131 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
         extra_keys: anything with a stable ``repr`` that must also match (None: nothing).
     Returns:
         32 bytes.
+    Raises:
+        TypeError: a token id is not an integer in int64 range.
     """
-    ids = array("q", token_ids)
-    if sys.byteorder == "big":
-        ids.byteswap()
-    if extra_keys is None:
-        tail = b"\x00"
-    else:
-        e = repr(extra_keys).encode()
-        tail = b"\x01" + len(e).to_bytes(8, "little") + e
     # the bytes joined and hashed in one call (fewer calls than one update per part; the same digest)
-    return _sha256(b"".join((parent_hash if parent_hash is not None else _NO_PARENT, len(ids).to_bytes(8, "little"),
-                             ids.tobytes(), tail))).digest()
+    return _sha256(b"".join((parent_hash if parent_hash is not None else _NO_PARENT,
+                             len(token_ids).to_bytes(8, "little"), pack_token_ids(token_ids),
+                             _extra_tail(extra_keys)))).digest()
+
+
+def hash_token_blocks(parent_hash: BlockHash | None, token_ids: Sequence[int], block_size: int,
+                      extra_keys: Hashable | None = None) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block is not hashed): the
+    digests :func:`hash_block_tokens` gives block by block, with every id packed in one call.
+
+    Args:
+        parent_hash: the hash of the block before ``token_ids[0]``'s block, None if it is the first.
+        token_ids: consecutive blocks' token ids, starting at a block boundary.
+        block_size: tokens per block.
+        extra_keys: as :func:`hash_block_tokens`.
+    Returns:
+        ``len(token_ids) // block_size`` hashes of 32 bytes, in block order.
+    Raises:
+        TypeError: a token id is not an integer in int64 range.
+    """
+    n = len(token_ids) // block_size
+    if n <= 0:
+        return []
+    data = pack_token_ids(token_ids if len(token_ids) == n * block_size else token_ids[: n * block_size])
+    count, tail, step = block_size.to_bytes(8, "little"), _extra_tail(extra_keys), 8 * block_size
+    parent = parent_hash if parent_hash is not None else _NO_PARENT
+    out: list[BlockHash] = []
+    for i in range(n):
+        parent = _sha256(b"".join((parent, count, data[i * step : (i + 1) * step], tail))).digest()
+        out.append(parent)
+    return out
 
 
 @dataclass
 class KVBlock:
     """One block of ``block_size`` token slots. ``ref_cnt`` = sequences that hold it;
     ``block_hash`` = its prefix-cache key while it is registered in the cache (None otherwise);
-    ``key`` = what it holds, ``(parent hash, token ids, extra keys)``, compared on every hit."""
+    ``key`` = what it holds, ``(parent hash, token ids, extra keys)``, compared on every hit;
+    ``prev_free`` / ``next_free`` = its neighbours in the free queue while it is free (None otherwise)."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     key: BlockKey | None = None
+    prev_free: KVBlock | None = field(default=None, repr=False, compare=False)
+    next_free: KVBlock | None = field(default=None, repr=False, compare=False)
+
+
+class FreeBlockQueue:
+    """The free blocks in LRU order (head = next to reuse), a doubly linked list through the blocks'
+    ``prev_free`` / ``next_free`` (vLLM V1's ``FreeKVCacheBlockQueue``): taking from the head, adding at the
+    tail and taking a block out of the middle (a prefix-cache hit on a free block) are O(1) pointer updates,
+    with no dict and no per-operation allocation.
+
+    Args:
+        blocks: the initial free blocks, head first.
+    """
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)  # sentinels: every real block in the queue has both neighbours
+        self._tail = KVBlock(-1)
+        prev = self._head
+        for blk in blocks:
+            prev.next_free = blk
+            blk.prev_free = prev
+            prev = blk
+        prev.next_free = self._tail
+        self._tail.prev_free = prev
+        self.num_free = len(blocks)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self, n: int) -> list[KVBlock]:
+        """Take the ``n`` blocks at the head (``n`` <= ``num_free``, checked by the caller), head first."""
+        out: list[KVBlock] = []
+        blk = self._head.next_free
+        for _ in range(n):
+            assert blk is not None and blk is not self._tail
+            out.append(blk)
+            nxt = blk.next_free
+            blk.prev_free = blk.next_free = None
+            blk = nxt
+        self._head.next_free = blk
+        assert blk is not None
+        blk.prev_free = self._head
+        self.num_free -= n
+        return out
+
+    def append(self, blk: KVBlock) -> None:
+        """Add a block at the tail (the last to be reused)."""
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = blk
+        blk.prev_free = last
+        blk.next_free = self._tail
+        self._tail.prev_free = blk
+        self.num_free += 1
+
+    def remove(self, blk: KVBlock) -> None:
+        """Take a block out of the queue wherever it is.
+
+        Raises:
+            BlockPoolError: the block is not in the queue.
+        """
+        prev, nxt = blk.prev_free, blk.next_free
+        if prev is None or nxt is None:
+            raise BlockPoolError(f"block {blk.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        blk.prev_free = blk.next_free = None
+        self.num_free -= 1
+
+    def block_ids(self) -> list[int]:
+        """The free blocks' ids, head first (O(free blocks): for tests and inspection)."""
+        out: list[int] = []
+        blk = self._head.next_free
+        while blk is not None and blk is not self._tail:
+            out.append(blk.block_id)
+            blk = blk.next_free
+        return out
 
 
 class BlockPool:
@@ -95,8 +215,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # free queue in LRU order (head = next to reuse); an OrderedDict so a cache hit removes in O(1)
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # free queue in LRU order (head = next to reuse)
+        self._free = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
         self.num_hash_collisions = 0
@@ -109,11 +229,11 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._free.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._free.num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -123,17 +243,19 @@ class BlockPool:
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` free blocks (ref count 1 each), evicting the cached ones among them;
         ``None`` if fewer than ``n`` are free."""
-        if n > len(self._free):
+        if n > self._free.num_free:
             return None
-        ids = [self._free.popitem(last=False)[0] for _ in range(n)]
-        for i in ids:
-            blk = self.blocks[i]
-            if blk.block_hash is not None:  # evict: its contents are about to be overwritten
-                if self.cached.get(blk.block_hash) == i:
-                    del self.cached[blk.block_hash]
+        ids: list[int] = []
+        for blk in self._free.popleft(n):
+            i = blk.block_id
+            h = blk.block_hash
+            if h is not None:  # evict: its contents are about to be overwritten
+                if self.cached.get(h) == i:
+                    del self.cached[h]
                 blk.block_hash = blk.key = None
                 self.num_evictions += 1
             blk.ref_cnt = 1
+            ids.append(i)
         return ids
 
     def incref(self, block_ids: list[int]) -> None:
@@ -152,7 +274,7 @@ class BlockPool:
         for i in block_ids:
             blk = self.blocks[i]
             if blk.ref_cnt == 0:
-                del self._free[i]
+                self._free.remove(blk)
             blk.ref_cnt += 1
             if blk.ref_cnt >= 2:
                 self._shared_ref_added(blk)
@@ -176,7 +298,7 @@ class BlockPool:
                     if blk.block_hash is None:
                         self.num_shared_unhashed -= 1
             else:
-                self._free[i] = None
+                self._free.append(blk)
 
     def _shared_ref_added(self, blk: KVBlock) -> None:
         """Count one more reference to ``blk`` beyond its first (its ``ref_cnt`` is now >= 2)."""

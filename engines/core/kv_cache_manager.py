@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.core.block_pool import BlockPool, hash_block_tokens
+from engines.core.block_pool import BlockPool, hash_token_blocks
 from engines.core.request import Request
 
 
@@ -116,10 +116,9 @@ class PagedKVCacheManager:
     def block_hashes(self, request: Request) -> list:
         """Chained hashes of the request's full blocks (prompt and output), extended as tokens arrive."""
         hs, bs, toks = request.block_hashes, self.block_size, request.all_token_ids
-        parent = hs[-1] if hs else None
-        for i in range(len(hs), len(toks) // bs):
-            parent = hash_block_tokens(parent, toks[i * bs : (i + 1) * bs], request.cache_salt)
-            hs.append(parent)
+        have, full = len(hs), len(toks) // bs
+        if full > have:
+            hs.extend(hash_token_blocks(hs[-1] if hs else None, toks[have * bs : full * bs], bs, request.cache_salt))
         return hs
 
     def _block_key(self, request: Request, i: int) -> tuple:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from engines.core.block_pool import hash_block_tokens
+from engines.core.block_pool import hash_token_blocks
 from engines.core.kv_cache_manager import PagedKVCacheManager
 from engines.core.request import Request
 
@@ -68,11 +68,9 @@ def prompt_block_hashes(request: Request, block_size: int) -> list:
     the prompt's full blocks that a prefix-cache hit can cover: at most (prompt tokens - 1) // block_size,
     as ``PagedKVCacheManager.get_computed_blocks`` always computes the last token. Does not touch
     ``request.block_hashes``."""
-    toks, out, parent = request.prompt_token_ids, [], None
-    for i in range((len(toks) - 1) // block_size):
-        parent = hash_block_tokens(parent, toks[i * block_size:(i + 1) * block_size], request.cache_salt)
-        out.append(parent)
-    return out
+    toks = request.prompt_token_ids
+    return hash_token_blocks(None, toks[: (len(toks) - 1) // block_size * block_size], block_size,
+                             request.cache_salt)
 
 
 class RoundRobin:

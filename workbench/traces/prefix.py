@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engines.core.block_pool import hash_block_tokens
+from engines.core.block_pool import hash_token_blocks
 from workbench.traces.ids import MOONCAKE_BLOCK_TOKENS
 
 
@@ -52,10 +52,7 @@ def ideal_prefix_hit_rate(prompts: Sequence[Sequence[int]], block_size: int) -> 
     for p in prompts:
         n = len(p)
         queries += n
-        parent, hashes = None, []
-        for i in range(n // block_size):
-            parent = hash_block_tokens(parent, p[i * block_size : (i + 1) * block_size])
-            hashes.append(parent)
+        hashes = hash_token_blocks(None, p, block_size)
         k = 0
         for h in hashes[: max(0, n - 1) // block_size]:
             if h not in seen:
