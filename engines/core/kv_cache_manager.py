@@ -138,8 +138,10 @@ class PagedKVCacheManager:
         bs = self.block_size
         hashes = self.block_hashes(request)
         hit: list[int] = []
+        cached = self.pool.cached
         for i, h in enumerate(hashes[: (request.num_tokens_total - 1) // bs]):
-            b = self.pool.get_cached_block(h, self._block_key(request, i))
+            # the block's key (its token ids, compared against a collision) is built only for a hash found
+            b = self.pool.get_cached_block(h, self._block_key(request, i)) if h in cached else None
             if b is None:
                 break
             hit.append(b)
