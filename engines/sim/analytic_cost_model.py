@@ -134,6 +134,9 @@ class AnalyticCostModel:
     kv_dtype: str = "bf16"
     efficiency: Efficiency = field(default_factory=Efficiency.default)
     spec: SpecDecodeConfig | None = None
+    # per (model, weight dtype, tp): the step-independent parts of pass_time (see _constants)
+    _constants: dict[tuple[int, str, int], tuple[ModelSpec, float, float, int, int, float]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.model.num_attention_heads % self.tp:
@@ -167,8 +170,21 @@ class AnalyticCostModel:
     def breakdown(self, seqs) -> dict[str, float]:
         """Seconds per component of one step (target and, with spec decoding, draft)."""
         if self.spec is None:
-            rows3 = [(len(s.token_ids), s.start_pos, bool(s.sample and not s.is_padding)) for s in seqs]
-            return self.pass_time(self.model, self.weight_dtype, rows3, self.tp)
+            # the common case: pass_time's sums gathered straight from the rows (no per-row tuple)
+            tokens = sampled = d_pairs = d_ctx = p_pairs = p_ctx = 0
+            for s in seqs:
+                n, p = len(s.token_ids), s.start_pos
+                tokens += n
+                if s.sample and not s.is_padding:
+                    sampled += 1
+                if n == 1 and p > 0:
+                    d_pairs += p + 1
+                    d_ctx += p + 1
+                else:
+                    p_pairs += n * p + n * (n + 1) // 2
+                    p_ctx += p + n
+            return self._pass_time(self.model, self.weight_dtype, self.tp, tokens, sampled, d_pairs, d_ctx, p_pairs,
+                                   p_ctx)
         rows = [(s.num_tokens, s.start_pos, bool(s.sample and not s.is_padding), s.is_decode) for s in seqs]
         k = self.spec.num_speculative_tokens
         # target: every decode row verifies k + 1 tokens (its last token + k drafts)
@@ -190,39 +206,58 @@ class AnalyticCostModel:
                   tp: int = 1) -> dict[str, float]:
         """Seconds per component of one forward pass of ``m`` on ``tp`` GPUs over ``rows`` = ``(new
         tokens, start position, samples)``; a row with 1 token and start > 0 is a decode row. Empty rows -> {}."""
-        tokens = sum(n for n, _, _ in rows)
+        tokens = sampled = d_pairs = d_ctx = p_pairs = p_ctx = 0  # query x key pairs and context tokens
+        for n, p, smp in rows:
+            tokens += n
+            if smp:
+                sampled += 1
+            if n == 1 and p > 0:  # a decode row
+                d_pairs += p + 1
+                d_ctx += p + 1
+            else:  # a prefill chunk
+                p_pairs += n * p + n * (n + 1) // 2
+                p_ctx += p + n
+        return self._pass_time(m, weight_dtype, tp, tokens, sampled, d_pairs, d_ctx, p_pairs, p_ctx)
+
+    def _constants_of(self, m: ModelSpec, weight_dtype: str, tp: int) -> tuple[ModelSpec, float, float, int, int, float]:
+        """``(m, layer weight bytes/GPU, LM head bytes/GPU, attention heads/GPU, KV bytes/token/GPU, link bytes/s
+        one way)``: what :meth:`pass_time` needs of the model and GPU that no step changes, computed once per
+        (model, weight dtype, tp). ``m`` is kept in the entry so its ``id`` cannot be reused while cached."""
+        key = (id(m), weight_dtype, tp)
+        c = self._constants.get(key)
+        if c is None:
+            c = (m, m.linear_params * linear_bytes_per_param(weight_dtype) / tp, m.lm_head_params * 2.0 / tp,
+                 max(1, m.num_attention_heads // tp), self._kv_bytes(m, tp), self.hardware.link_bw_one_way())
+            self._constants[key] = c
+        return c
+
+    def _pass_time(self, m: ModelSpec, weight_dtype: str, tp: int, tokens: int, sampled: int, d_pairs: int,
+                   d_ctx: int, p_pairs: int, p_ctx: int) -> dict[str, float]:
+        """:meth:`pass_time` from its rows' sums: tokens, sampled rows, and the query x key pairs and context
+        tokens of decode rows (``d_``) and prefill chunks (``p_``)."""
         if tokens == 0:
             return {}
         hw, eff = self.hardware, self.efficiency
-        sampled = sum(1 for _, _, s in rows if s)
+        _, layer_bytes, head_bytes, heads, kvb, link = self._constants_of(m, weight_dtype, tp)
         bf16 = hw.bf16_flops
         peak = hw.fp8_flops if weight_dtype == "fp8" and hw.fp8_flops else bf16
         # GEMMs: layer matrices on every token, the LM head (vocab-parallel) on sampled rows
         flops = 2.0 * tokens * m.linear_params / tp + 2.0 * sampled * m.lm_head_params / tp
-        wbytes = m.linear_params * linear_bytes_per_param(weight_dtype) / tp
+        wbytes = layer_bytes
         if sampled:
-            wbytes += m.lm_head_params * 2.0 / tp
+            wbytes += head_bytes
         t_compute = flops / (peak * eff.compute)
         if weight_dtype in ("awq", "gptq", "int4"):
             t_compute *= eff.dequant_overhead
         out = {"gemm": max(t_compute, wbytes / (hw.mem_bw * eff.memory))}
         # attention, decode rows and prefill chunks as separate kernels
-        heads, kvb = max(1, m.num_attention_heads // tp), self._kv_bytes(m, tp)
-        d_pairs = d_ctx = p_pairs = p_ctx = 0  # query x key pairs and context tokens: decode rows, prefill chunks
-        for n, p, _ in rows:
-            if n == 1 and p > 0:
-                d_pairs += p + 1
-                d_ctx += p + 1
-            else:
-                p_pairs += n * p + n * (n + 1) // 2
-                p_ctx += p + n
         for name, pairs, ctx in (("attn_decode", d_pairs, d_ctx), ("attn_prefill", p_pairs, p_ctx)):
             if ctx:
                 a_flops = 4.0 * heads * m.head_dim * m.num_hidden_layers * pairs
                 out[name] = max(a_flops / (bf16 * eff.attention_compute), ctx * kvb / (hw.mem_bw * eff.attention_memory))
         if tp > 1:
             msg = tokens * m.hidden_size * ACT_BYTES
-            one = 2 * (tp - 1) / tp * msg / (hw.link_bw_one_way() * eff.link) + eff.allreduce_latency_s
+            one = 2 * (tp - 1) / tp * msg / (link * eff.link) + eff.allreduce_latency_s
             out["allreduce"] = 2 * m.num_hidden_layers * one
         out["overhead"] = eff.step_overhead_s
         return out
