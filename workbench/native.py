@@ -49,6 +49,7 @@ COMPILED = (
     "engines/core/llm_engine.py",
     "engines/core/router.py",
     "engines/sim/cost_model.py",
+    "engines/sim/executor.py",
     "engines/sim/analytic_cost_model.py",
 )
 

@@ -113,40 +113,46 @@ class KVBlock:
     """One block of ``block_size`` token slots. ``ref_cnt`` = sequences that hold it;
     ``block_hash`` = its prefix-cache key while it is registered in the cache (None otherwise);
     ``key`` = what it holds, ``(parent hash, token ids, extra keys)``, compared on every hit;
-    ``prev_free`` / ``next_free`` = its neighbours in the free queue while it is free (None otherwise)."""
+    ``next_free`` / ``prev_free`` = the next block and the previous block's id in the free queue while it is
+    free (``next_free`` None otherwise)."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     key: BlockKey | None = None
-    prev_free: KVBlock | None = field(default=None, repr=False, compare=False)
     next_free: KVBlock | None = field(default=None, repr=False, compare=False)
+    prev_free: int = field(default=-1, repr=False, compare=False)
 
 
 class FreeBlockQueue:
-    """The free blocks in LRU order (head = next to reuse), a doubly linked list through the blocks'
-    ``prev_free`` / ``next_free`` (vLLM V1's ``FreeKVCacheBlockQueue``): taking from the head, adding at the
-    tail and taking a block out of the middle (a prefix-cache hit on a free block) are O(1) pointer updates,
-    with no dict and no per-operation allocation.
+    """The free blocks in LRU order (head = next to reuse), a doubly linked list through the blocks (vLLM
+    V1's ``FreeKVCacheBlockQueue``): taking from the head, adding at the tail and taking a block out of the
+    middle (a prefix-cache hit on a free block) are O(1) updates, with no dict and no per-operation
+    allocation. A block links to the next one and names the previous one by id, so the blocks hold no
+    reference cycle (the simulator runs with the cycle collector paused).
 
     Args:
-        blocks: the initial free blocks, head first.
+        blocks: the pool's blocks, ``blocks[i].block_id == i``, all free, queued in that order.
     """
 
     def __init__(self, blocks: list[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinels: every real block in the queue has both neighbours
-        self._tail = KVBlock(-1)
+        self._blocks = blocks
+        self._head = KVBlock(-1)  # sentinels: every queued block has both neighbours; id -1 names the head
+        self._tail = KVBlock(-2)
         prev = self._head
         for blk in blocks:
             prev.next_free = blk
-            blk.prev_free = prev
+            blk.prev_free = prev.block_id
             prev = blk
         prev.next_free = self._tail
-        self._tail.prev_free = prev
+        self._tail.prev_free = prev.block_id
         self.num_free = len(blocks)
 
     def __len__(self) -> int:
         return self.num_free
+
+    def _block(self, block_id: int) -> KVBlock:
+        return self._head if block_id < 0 else self._blocks[block_id]
 
     def popleft(self, n: int) -> list[KVBlock]:
         """Take the ``n`` blocks at the head (``n`` <= ``num_free``, checked by the caller), head first."""
@@ -156,22 +162,21 @@ class FreeBlockQueue:
             assert blk is not None and blk is not self._tail
             out.append(blk)
             nxt = blk.next_free
-            blk.prev_free = blk.next_free = None
+            blk.next_free = None
             blk = nxt
-        self._head.next_free = blk
         assert blk is not None
-        blk.prev_free = self._head
+        self._head.next_free = blk
+        blk.prev_free = -1
         self.num_free -= n
         return out
 
     def append(self, blk: KVBlock) -> None:
         """Add a block at the tail (the last to be reused)."""
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = blk
-        blk.prev_free = last
-        blk.next_free = self._tail
-        self._tail.prev_free = blk
+        tail = self._tail
+        self._block(tail.prev_free).next_free = blk
+        blk.prev_free = tail.prev_free
+        blk.next_free = tail
+        tail.prev_free = blk.block_id
         self.num_free += 1
 
     def remove(self, blk: KVBlock) -> None:
@@ -180,12 +185,12 @@ class FreeBlockQueue:
         Raises:
             BlockPoolError: the block is not in the queue.
         """
-        prev, nxt = blk.prev_free, blk.next_free
-        if prev is None or nxt is None:
+        nxt = blk.next_free
+        if nxt is None:
             raise BlockPoolError(f"block {blk.block_id} is not in the free queue")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        blk.prev_free = blk.next_free = None
+        self._block(blk.prev_free).next_free = nxt
+        nxt.prev_free = blk.prev_free
+        blk.next_free = None
         self.num_free -= 1
 
     def block_ids(self) -> list[int]:
