@@ -31,7 +31,7 @@ _NO_PARENT = bytes(32)
 _sha256 = hashlib.sha256
 
 
-def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+def _pack_token_ids(token_ids: Sequence[int]) -> bytes:
     """Token ids as consecutive 8-byte little-endian signed integers, the encoding :func:`hash_block_tokens`
     hashes (one ``struct.pack`` call: about a third of the time ``array("q", ids)`` takes per id).
 
@@ -50,6 +50,13 @@ def _extra_tail(extra_keys: Hashable | None) -> bytes:
         return b"\x00"
     e = repr(extra_keys).encode()
     return b"\x01" + len(e).to_bytes(8, "little") + e
+
+
+def _digest(parent_hash: BlockHash | None, count: bytes, packed_ids: bytes, tail: bytes) -> BlockHash:
+    """sha256 of one block's message, ``parent hash | n | token ids | extra keys``, joined and hashed in one call
+    (fewer calls than one update per part; the same digest)."""
+    return _sha256(b"".join((parent_hash if parent_hash is not None else _NO_PARENT, count, packed_ids,
+                             tail))).digest()
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
@@ -74,10 +81,8 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     Raises:
         TypeError: a token id is not an integer in int64 range.
     """
-    # the bytes joined and hashed in one call (fewer calls than one update per part; the same digest)
-    return _sha256(b"".join((parent_hash if parent_hash is not None else _NO_PARENT,
-                             len(token_ids).to_bytes(8, "little"), pack_token_ids(token_ids),
-                             _extra_tail(extra_keys)))).digest()
+    return _digest(parent_hash, len(token_ids).to_bytes(8, "little"), _pack_token_ids(token_ids),
+                   _extra_tail(extra_keys))
 
 
 def hash_token_blocks(parent_hash: BlockHash | None, token_ids: Sequence[int], block_size: int,
@@ -98,12 +103,12 @@ def hash_token_blocks(parent_hash: BlockHash | None, token_ids: Sequence[int], b
     n = len(token_ids) // block_size
     if n <= 0:
         return []
-    data = pack_token_ids(token_ids if len(token_ids) == n * block_size else token_ids[: n * block_size])
+    data = _pack_token_ids(token_ids if len(token_ids) == n * block_size else token_ids[: n * block_size])
     count, tail, step = block_size.to_bytes(8, "little"), _extra_tail(extra_keys), 8 * block_size
-    parent = parent_hash if parent_hash is not None else _NO_PARENT
     out: list[BlockHash] = []
+    parent = parent_hash
     for i in range(n):
-        parent = _sha256(b"".join((parent, count, data[i * step : (i + 1) * step], tail))).digest()
+        parent = _digest(parent, count, data[i * step : (i + 1) * step], tail)
         out.append(parent)
     return out
 
