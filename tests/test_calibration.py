@@ -202,8 +202,14 @@ def test_sensitivity_reruns_a_sim_twin_with_slower_steps(tiny_llama_dir, tmp_pat
     for key in ("ttft_ms.p50", "tpot_ms.p50", "e2el_ms.p50"):
         assert sens["elasticity"][key] == pytest.approx(1.0, abs=0.02), sens
     assert abs(sens["elasticity"]["output_throughput"]) < 0.1  # arrival-bound: throughput hardly moves
+    # and once more at the twin's own speed: the speed its recorded steps ran at against the raw profile
+    matched = res["engines"]["sim-paged"]["summary"]["sim_error"]["speed_matched"]
+    assert matched["n_steps_small"] > 0 and matched["scale_small"] > 0
+    assert set(matched["dist"]) == {"output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}
+    assert matched["request"]["n_matched"] == 3
     res = run_scenario(load_scenario(p), tmp_path / "out2", plots=False)
     assert "sensitivity" not in res["engines"]["sim-paged"]["summary"]["sim_error"]
+    assert "speed_matched" not in res["engines"]["sim-paged"]["summary"]["sim_error"]
     cm = CostModel({"const": 0.01}, speed_scale=0.9, speed_scale_large=1.2)
     slow = slowed_cost_model(cm, 0.05)
     assert slow.scale(1) == pytest.approx(0.945) and slow.scale(4096) == pytest.approx(1.26)

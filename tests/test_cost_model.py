@@ -254,3 +254,39 @@ def test_cheap_grid_steps_get_more_runs():
     ex = CountingExecutor()
     profile_rows(ex, grid, repeats=3, cheap_repeats=9, cheap_s=0.0)  # none is
     assert sorted(ex.calls.values()) == [4, 4]
+
+
+def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_class():
+    """The speed of the twin's own steps is taken against the profile without its drift factors: decode-sized
+    steps (at most 64 tokens) and prefill-sized ones (at least 256) apart, steps between counted in neither."""
+    import math
+    from types import SimpleNamespace
+
+    from engines.core.step_shape import StepShape
+    from engines.sim.cost_model import shape_features
+    from workbench.fidelity import summary_line, twin_speed
+
+    cm = CostModel({"const": 0.01, "tokens": 1e-4}, speed_scale=0.5, speed_scale_large=3.0)  # factors ignored
+    raw = CostModel({"const": 0.01, "tokens": 1e-4})
+
+    def step(tokens, ratio):
+        shape = StepShape(tokens=tokens, decode_rows=tokens if tokens <= 64 else 0, decode_ctx=10 * tokens,
+                          prefill_seqs=0 if tokens <= 64 else 1, prefill_tokens=0 if tokens <= 64 else tokens,
+                          sampled=1)
+        return SimpleNamespace(num_seqs=1, duration=ratio * raw.predict_features(shape_features(shape)) - 0.002,
+                               overhead=0.002, shape=shape)
+
+    steps = [step(8, 1.1), step(32, 1.21), step(128, 5.0), step(512, 0.9), step(1024, 0.9),
+             SimpleNamespace(num_seqs=0, duration=0.0, overhead=0.0, shape=StepShape())]
+    got = twin_speed(cm, steps)
+    assert got["scale_small"] == pytest.approx(math.sqrt(1.1 * 1.21))
+    assert got["scale_large"] == pytest.approx(0.9)
+    assert got["n_steps_small"] == 2 and got["n_steps_large"] == 2
+    assert twin_speed(cm, steps[:2])["scale_large"] is None
+    err = {"real_engine": "paged", "step": {}, "request": {},
+           "dist": {"output_throughput": 0.0, **{m: {"p50": 0.0, "p99": 0.0} for m in
+                                                 ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}},
+           "speed_matched": {**got, "dist": {"output_throughput": 0.01, **{m: {"p50": -0.02, "p99": 0.0} for m in
+                                                                          ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}}
+    assert ("at the twin's own speed (1.154x/0.900x the profile, decode/prefill): throughput +1.0%, "
+            "TTFT p50 -2.0%, TPOT p50 -2.0%, E2EL p50 -2.0%") in summary_line(err)

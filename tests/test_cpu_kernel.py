@@ -44,6 +44,30 @@ def test_cpu_decode_kernel_matches_reference(seed, kernel):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_decode_kernel_balances_uneven_contexts_across_threads(threads, kernel):
+    """The decode kernel deals whole sequences to the threads by context (longest first, to the least-loaded
+    thread), not in consecutive ranges: every row's output lands in its own place whatever the thread count,
+    with more threads than rows, rows of context 0 and the long contexts bunched at the front."""
+    g = torch.Generator().manual_seed(threads)
+    batch, kvh, groups, d, bs, nb = 11, 3, 3, 64, 16, 128
+    k = torch.randn(nb, bs, kvh, d, generator=g)
+    v = torch.randn(nb, bs, kvh, d, generator=g)
+    lens = torch.tensor([400, 390, 350, 300, 17, 16, 9, 1, 0, 33, 2])
+    width = int((lens.max() + bs - 1) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in range(batch)])
+    q = torch.randn(batch, kvh * groups, d, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_ops.paged_attention_decode(q, k, v, tables, lens, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    live = lens > 0  # a row of no context has no defined attention: only its place must be left to it
+    ref = paged_attention_decode(q[live], k, v, tables[live], lens[live], d**-0.5)
+    torch.testing.assert_close(out[live], ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("d,groups", [(64, 1), (64, 2), (64, 3), (64, 4), (128, 1), (128, 2), (128, 4), (32, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vectorized_decode_shapes_match_the_reference(d, groups, dtype, kernel):

@@ -124,7 +124,8 @@ def run(scenario: str = typer.Argument(..., help="scenario YAML file"),
         set_: List[str] = typer.Option([], "--set", help="override a field: dotted.path=value (engines by name)"),
         repeat: int = typer.Option(1, "--repeat", help="run the real engines N times, interleaved; report means and spread"),
         sensitivity: bool = typer.Option(True, "--sensitivity/--no-sensitivity",
-                                         help="rerun each sim engine with 5% slower steps: how far each figure moves")) -> None:
+                                         help="rerun each sim engine with a real twin with 5% slower steps (how far each "
+                                              "figure moves) and at the speed its twin's steps ran")) -> None:
     """Replay the scenario's trace on each engine; write results.json, CSVs, PNGs and report.html."""
     from workbench.commands.run import main
 

@@ -30,6 +30,7 @@ FORMULAS = {
     "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed (phase before / after); a sim engine takes the probes of its real twin's runs (probes_of; all real runs' when it has no twin); each probe's reference is the profile's own timing of the same step (probe_baseline, timed in the profile's grid passes; reference: baseline), else the profile's prediction (reference: prediction); speed_ratio = geometric mean over the probes of measured / reference seconds; speed_ratio_small and speed_ratio_large = the same over probe steps of fewer and of at least engines.sim.profiler.LARGE_PROBE_TOKENS tokens; before and after: the same three over each phase's probes; the factor of each class (scale_small, scale_large) is the phase ratio nearer 1 when both phases are off by more than margin on the same side, else 1 (workbench.runner.agreed_factor); when either factor is not 1 and every ratio is within [1 / max, max] the sim engine's predictions are multiplied by a factor of the step's tokens: scale_small up to 64 tokens, scale_large from 256 tokens, linear in log(tokens) between (CostModel.scale; rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
     "sim_error.sensitivity": "how much each figure moves when every simulated step is slower by step_time_change (5%): the sim engine is run again with its cost model's predictions times 1 + step_time_change, with the same noise seeds as its runs; elasticity[figure] = mean over the seeds of (slowed / as run - 1) / step_time_change (1.0: the figure moves as much as the step time; 5.0: five times as much); step_error_for_bound[figure] = bound / |elasticity|: the largest error of the step times that keeps the figure within its bound (the bounds: 5% throughput, 10% p50s, 15% p99s)",
+    "sim_error.speed_matched": "the sim engine run again (same noise seeds) at the speed its real twin's own steps ran, to tell the cost model's and scheduler's error from the machine's drift: scale_small = geometric mean over the twin's steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens of measured (duration + overhead) / the profile's prediction without drift factors, scale_large the same over steps of at least SCALE_LARGE_TOKENS tokens (CostModel.scale interpolates between); dist and request as sim_error.dist and sim_error.request for that run. The real run's own timings inform it, so it is a diagnostic, not a prediction: a what-if has no real run to take its speed from",
     "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat",
 }
 
@@ -182,6 +183,37 @@ def sensitivity(as_run: list[dict], slowed: list[dict], step: float = SENSITIVIT
             "step_error_for_bound": need}
 
 
+def twin_speed(cost_model, steps) -> dict:
+    """The speed the real twin's ``steps`` (``StepRecord``s of every repeat) ran at against ``cost_model``
+    without its drift factors (``FORMULAS["sim_error.speed_matched"]``): ``scale_small`` and ``scale_large``
+    (None where the twin ran no step of that class) and how many steps each came from."""
+    import dataclasses
+
+    from engines.sim.cost_model import SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS, shape_features
+
+    raw = dataclasses.replace(cost_model, speed_scale=1.0, speed_scale_large=None)
+    logs: dict[str, list[float]] = {"small": [], "large": []}
+    for s in steps:
+        if not s.num_seqs or s.duration <= 0:
+            continue
+        tokens = s.shape.tokens
+        cls = "small" if tokens <= SCALE_SMALL_TOKENS else "large" if tokens >= SCALE_LARGE_TOKENS else None
+        pred = raw.predict_features(shape_features(s.shape))
+        if cls and pred > 0:
+            logs[cls].append(math.log((s.duration + s.overhead) / pred))
+    out = {}
+    for cls, v in logs.items():
+        out[f"scale_{cls}"] = math.exp(statistics.fmean(v)) if v else None
+        out[f"n_steps_{cls}"] = len(v)
+    return out
+
+
+def speed_matched_errors(speed: dict, sim_summary: dict, sim_runs: list, real_summary: dict, real_runs: list) -> dict:
+    """``sim_error.speed_matched``: ``speed`` (:func:`twin_speed`) with the distribution and request errors of the
+    sim engine's run at that speed (``sim_summary``, ``sim_runs``: its per-seed outputs) against its twin."""
+    return {**speed, "dist": dist_errors(sim_summary, real_summary), "request": request_errors(sim_runs, real_runs)}
+
+
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
               real_steps: list) -> dict:
     """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name`` (``*_runs``: each
@@ -214,6 +246,13 @@ def summary_line(err: dict) -> str:
                           f"{pct(v * step)}" for k, v in sens.items() if k in ("output_throughput", "ttft_ms.p50",
                                                                               "tpot_ms.p50", "e2el_ms.p50"))
         parts.append(f"{step:.0%} slower steps move {moved}")
+    sm = err.get("speed_matched")
+    if sm:
+        d2 = sm["dist"]
+        speed = "/".join("n/a" if sm.get(k) is None else f"{sm[k]:.3f}x" for k in ("scale_small", "scale_large"))
+        parts.append(f"at the twin's own speed ({speed} the profile, decode/prefill): throughput "
+                     f"{pct(d2['output_throughput'])}, TTFT p50 {pct(d2['ttft_ms']['p50'])}, TPOT p50 "
+                     f"{pct(d2['tpot_ms']['p50'])}, E2EL p50 {pct(d2['e2el_ms']['p50'])}")
     if st.get("n_steps"):
         nf = st.get("noise_floor")
         sm = st.get("shape_median_mape")
@@ -222,5 +261,5 @@ def summary_line(err: dict) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["FIGURE_BOUNDS", "FORMULAS", "SENSITIVITY_STEP", "dist_errors", "figure", "sensitivity", "real_spread", "request_errors", "shape_key", "sim_error", "step_errors",
+__all__ = ["FIGURE_BOUNDS", "FORMULAS", "SENSITIVITY_STEP", "dist_errors", "figure", "sensitivity", "real_spread", "request_errors", "shape_key", "sim_error", "speed_matched_errors", "step_errors", "twin_speed",
            "summary_line"]

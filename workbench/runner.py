@@ -338,13 +338,15 @@ def slowed_cost_model(cm: CostModel, change: float) -> CostModel:
     return dataclasses.replace(cm, speed_scale=cm.speed_scale * (1 + change), speed_scale_large=large * (1 + change))
 
 
-def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: dict | None = None) -> None:
+def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: dict | None = None,
+                   matched: dict | None = None) -> None:
     """Give each sim engine ``summary.sim_error`` against its real twin (:func:`twin_of`):
     ``workbench.fidelity.sim_error``; the step level needs the sim engine's measured cost model (an analytic
     one simulates another machine: step, request and distribution errors against this one mean nothing, so
     it gets none). ``slowed``: sim engine -> its per-seed summaries with every step slower by
-    ``SENSITIVITY_STEP`` (``sim_error.sensitivity``)."""
-    from workbench.fidelity import sensitivity, sim_error
+    ``SENSITIVITY_STEP`` (``sim_error.sensitivity``). ``matched``: sim engine -> (speed, per-seed (summary,
+    outputs)) of its run at its twin's own measured speed, or None (``sim_error.speed_matched``)."""
+    from workbench.fidelity import sensitivity, sim_error, speed_matched_errors
 
     engines = results["engines"]
     for name, e in engines.items():
@@ -359,6 +361,11 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: d
             [r[1] for r in runs], [st for r in runs for st in r[2]])
         if slowed and name in slowed:
             e["summary"]["sim_error"]["sensitivity"] = sensitivity([r[0] for r in per_engine[name]], slowed[name])
+        if matched and matched.get(name):
+            speed, at_speed = matched[name]
+            summ = at_speed[0][0] if len(at_speed) == 1 else mean_summary([r[0] for r in at_speed])
+            e["summary"]["sim_error"]["speed_matched"] = speed_matched_errors(
+                speed, summ, [r[1] for r in at_speed], engines[real]["summary"], [r[1] for r in runs])
 
 
 def _versions() -> dict:
@@ -384,7 +391,9 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     many times with noise seeds ``seed + i``, one without runs once (it is deterministic). With ``trace.load`` the engines' saturation capacities are probed first (once) and the
     trace is rescaled to the offered load; ``echo`` (optional) gets a line about each probe. ``sensitivity``
     runs each sim engine that has a real twin again with every step 5% slower, same seeds, and reports how
-    far each figure moves (``sim_error.sensitivity``: how precise the step times must be for each bound).
+    far each figure moves (``sim_error.sensitivity``: how precise the step times must be for each bound), and
+    once more at the speed its twin's own steps ran (``sim_error.speed_matched``: the error left when the
+    machine's drift is taken out).
 
     Raises:
         ValueError: ``repeat`` < 1, a capacity probe in which nothing finished, or a bad trace/engine setting.
@@ -458,7 +467,28 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         return [r[3]["probe"] for n in names for r in per_engine[n] if "probe" in r[3]]
 
     all_probes, kinds = probes_of([s.name for s in reals]), {s.name: {"kind": s.kind} for s in reals}
-    drifts, slowed = {}, {}
+    drifts, slowed, matched = {}, {}, {}
+
+    def speed_matched_run(spec, cm, twin_steps, runs):
+        """The sim engine at its twin's own measured speed (``sim_error.speed_matched``): the speed and the
+        per-seed (summary, outputs), or None when the twin ran no step to take a speed from."""
+        from workbench.fidelity import twin_speed
+
+        speed = twin_speed(cm, twin_steps)
+        if speed["scale_small"] is None and speed["scale_large"] is None:
+            return None
+        small = speed["scale_small"] if speed["scale_small"] is not None else cm.speed_scale
+        large = speed["scale_large"] if speed["scale_large"] is not None else (
+            cm.speed_scale_large if cm.speed_scale_large is not None else cm.speed_scale)
+        at_speed = dataclasses.replace(cm, speed_scale=small, speed_scale_large=large)
+        out = []
+        for rep in range(runs):
+            sc = scenario.model_copy(update={"seed": scenario.seed + rep})
+            outs, steps = run_engine(sc, spec, model_dir, model_cfg, trace, eos, cost_model=at_speed,
+                                     launch_pool=pool, out_dir=out_dir)
+            out.append((summarize(outs, steps, len(trace), slo), outs))
+        return speed, out
+
     for spec in sims:
         cm = None
         if spec.name in measured:
@@ -490,6 +520,8 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
                 outs, steps = run_engine(sc, spec, model_dir, model_cfg, trace, eos, cost_model=slow, launch_pool=pool,
                                          out_dir=out_dir)
                 slowed[spec.name].append(summarize(outs, steps, len(trace), slo))
+            matched[spec.name] = speed_matched_run(spec, cm, [st for r in per_engine[twin] for st in r[2]],
+                                                   repeat if noisy else 1)
     frames = {}
     for spec in scenario.engines:
         runs = per_engine[spec.name]
@@ -517,7 +549,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
                 frames[spec.name] = (rf, sf)
     if drifts:
         results["drift"] = next((d for d in drifts.values() if d), None)
-    add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()}, slowed)
+    add_sim_errors(results, per_engine, {n: m[0] for n, m in measured.items()}, slowed, matched)
     if scenario.cluster is not None:  # the cluster: the sim or real engines replicated behind each router
         from workbench.cluster import run_scenario_cluster
 

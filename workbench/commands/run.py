@@ -14,7 +14,7 @@ def main(scenario: str, out: str | None = None, overrides: list[str] = (), repea
     """Load the scenario (with ``--set`` overrides), run it into ``out`` (default
     ``reports/runs/<name>-<time>``) with a progress bar per engine, then print the summary table, the load
     and capacity lines, each simulator's error against its real engine (with ``sensitivity``: and how far
-    its figures move with 5% slower steps), and the report's path.
+    its figures move with 5% slower steps, and its error at its twin's own speed), and the report's path.
 
     Raises:
         UsageError: a bad scenario, override, trace or engine setting, or ``repeat`` < 1.
