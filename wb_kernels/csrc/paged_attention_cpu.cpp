@@ -635,54 +635,46 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* clp = cl.data_ptr<int64_t>();
   T* op = mptr<T>(out);
-  // Each thread gets a bin of whole sequences of about equal KV read (longest first, to the least-loaded bin:
-  // the LPT rule). A plain split of the batch into consecutive ranges left one thread with most of the
+  // Sequences are taken longest first from a shared counter by whichever thread is free (the prefill
+  // kernel's scheme): a plain split of the batch into consecutive ranges left one thread with most of the
   // context whenever the long ones sat together (a running engine lists its oldest, longest requests first):
   // on a 2-core AVX-512 CPU, 48 rows of 280 then 48 of 40 context took 1.16x as long as 96 rows of 160.
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  std::vector<std::vector<int64_t>> bins(nt);
-  {
-    std::vector<int64_t> order(B), load(nt, 0);
-    for (int64_t b = 0; b < B; ++b) order[b] = b;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return clp[x] > clp[y]; });
-    for (int64_t b : order) {
-      const int64_t j = std::min_element(load.begin(), load.end()) - load.begin();
-      bins[j].push_back(b);
-      load[j] += clp[b] + bs;  // a sequence's fixed work (its query, output, softmax) ~ one block's reads
-    }
-  }
-  at::parallel_for(0, nt, 1, [&](int64_t tbegin, int64_t tend) {
+  std::vector<int64_t> order(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return clp[x] > clp[y]; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<int64_t> off;
     std::vector<float> scores, acc, qf(H * D);
-    for (int64_t t = tbegin; t < tend; ++t) {
-      for (int64_t b : bins[t]) {
-        for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
-        T* ob = op + b * H * D;
-        const int64_t* table = btp + b * MB;
-        const int64_t ctx = clp[b];
+    for (int64_t k = next.fetch_add(1); k < B; k = next.fetch_add(1)) {
+      const int64_t b = order[k];
+      for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
+      T* ob = op + b * H * D;
+      const int64_t* table = btp + b * MB;
+      const int64_t ctx = clp[b];
 #define WB_VEC(DC, GC) attend_seq_vec<T, DC, GC>(qf.data(), kp, vp, table, ctx, bs, KVH, sc, scores, acc, ob)
 #define WB_CALL(DC) attend_seq<T, DC>(qf.data(), kp, vp, table, ctx, bs, KVH, G, D, sc, off, scores, acc, ob)
-        if (ctx > 0 && H > 64) WB_CALL(0);
-        else if (ctx > 0 && D == 64 && G == 3) WB_VEC(64, 3);
-        else if (ctx > 0 && D == 64 && G == 1) WB_VEC(64, 1);
-        else if (ctx > 0 && D == 64 && G == 2) WB_VEC(64, 2);
-        else if (ctx > 0 && D == 64 && G == 4) WB_VEC(64, 4);
-        else if (ctx > 0 && D == 128 && G == 1) WB_VEC(128, 1);
-        else if (ctx > 0 && D == 128 && G == 2) WB_VEC(128, 2);
-        else if (ctx > 0 && D == 128 && G == 4) WB_VEC(128, 4);
-        else if (ctx > 0 && D == 32 && G == 3) WB_VEC(32, 3);
-        else {
-          switch (D) {
-            case 64: WB_CALL(64); break;
-            case 128: WB_CALL(128); break;
-            case 32: WB_CALL(32); break;
-            case 16: WB_CALL(16); break;
-            default: WB_CALL(0);
-          }
+      if (ctx > 0 && H > 64) WB_CALL(0);
+      else if (ctx > 0 && D == 64 && G == 3) WB_VEC(64, 3);
+      else if (ctx > 0 && D == 64 && G == 1) WB_VEC(64, 1);
+      else if (ctx > 0 && D == 64 && G == 2) WB_VEC(64, 2);
+      else if (ctx > 0 && D == 64 && G == 4) WB_VEC(64, 4);
+      else if (ctx > 0 && D == 128 && G == 1) WB_VEC(128, 1);
+      else if (ctx > 0 && D == 128 && G == 2) WB_VEC(128, 2);
+      else if (ctx > 0 && D == 128 && G == 4) WB_VEC(128, 4);
+      else if (ctx > 0 && D == 32 && G == 3) WB_VEC(32, 3);
+      else {
+        switch (D) {
+          case 64: WB_CALL(64); break;
+          case 128: WB_CALL(128); break;
+          case 32: WB_CALL(32); break;
+          case 16: WB_CALL(16); break;
+          default: WB_CALL(0);
         }
+      }
 #undef WB_CALL
 #undef WB_VEC
-      }
     }
   });
 }
