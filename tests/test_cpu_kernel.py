@@ -68,6 +68,34 @@ def test_decode_kernel_balances_uneven_contexts_across_threads(threads, kernel):
     torch.testing.assert_close(out[live], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,bs", [([1000], 16), ([777], 5), ([1500, 3], 16), ([260, 2000, 31], 16)])
+def test_decode_kernel_splits_long_contexts_over_threads(lens, bs, dtype, kernel):
+    """A context longer than its fair share of the threads is split into parts of whole blocks (a partial
+    last block too), each part's softmax statistics and weighted values combined after: the same attention
+    as the reference, in float32 and bfloat16."""
+    g = torch.Generator().manual_seed(len(lens) * 100 + bs)
+    kvh, groups, d = 3, 3, 64
+    nb = sum(-(-n // bs) for n in lens) + 4
+    k = (3 * torch.randn(nb, bs, kvh, d, generator=g)).to(dtype)  # large scores: the parts' maxima differ
+    v = torch.randn(nb, bs, kvh, d, generator=g).to(dtype)
+    width = max(-(-n // bs) for n in lens)
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.stack([perm[i * width % nb:][:width] if i * width + width <= nb else perm[:width]
+                          for i in range(len(lens))])
+    q = torch.randn(len(lens), kvh * groups, d, generator=g).to(dtype)
+    lens_t = torch.tensor(lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = cpu_ops.paged_attention_decode(q, k, v, tables, lens_t, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    ref = paged_attention_decode(q.float(), k.float(), v.float(), tables, lens_t, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(out.float(), ref, atol=tol * 10, rtol=tol)
+
+
 @pytest.mark.parametrize("d,groups", [(64, 1), (64, 2), (64, 3), (64, 4), (128, 1), (128, 2), (128, 4), (32, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vectorized_decode_shapes_match_the_reference(d, groups, dtype, kernel):

@@ -558,17 +558,23 @@ inline SeqBlock<T> seq_block(const T* cache, const int64_t* table, int64_t blk, 
           more ? cache + table[blk + 1] * bs * tok_stride : nullptr, more ? std::min(bs, ctx - t0 - bs) : 0};
 }
 
+// One sequence's decode attention over its context blocks [blk0, blk1): with ``ob``, the whole context
+// (blk0 0, blk1 every block), normalized into ``ob`` [H][DC]; without, one part of a split context: its
+// per-head running max, sum of exp and unnormalized weighted V into ``part`` ([H] max, [H] sum, [H][DC]),
+// combined by combine_parts.
 template <typename T, int DC, int GC>
 void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T* __restrict vp,
-                    const int64_t* __restrict table, int64_t ctx, int64_t bs, int64_t KVH, float sc,
-                    std::vector<float>& scores, std::vector<float>& acc, T* __restrict ob) {
+                    const int64_t* __restrict table, int64_t ctx, int64_t blk0, int64_t blk1, int64_t bs,
+                    int64_t KVH, float sc, std::vector<float>& scores, std::vector<float>& acc,
+                    T* __restrict ob, float* __restrict part) {
   constexpr int NV = DC / VW;
-  const int64_t tok_stride = KVH * DC, H = KVH * GC, nblk = (ctx + bs - 1) / bs;
-  scores.resize(H * ctx);
-  float* __restrict s = scores.data();  // [H][ctx]
+  const int64_t tok_stride = KVH * DC, H = KVH * GC;
+  const int64_t base = blk0 * bs, len = std::min(blk1 * bs, ctx) - base;
+  scores.resize(H * len);
+  float* __restrict s = scores.data();  // [H][len]
   // scores, block by block: a block's tokens are contiguous (bs x KVH x DC), so every KV head's pass over
   // them finds them in cache once the first has loaded them; the next block is prefetched meanwhile
-  for (int64_t blk = 0; blk < nblk; ++blk) {
+  for (int64_t blk = blk0; blk < blk1; ++blk) {
     const SeqBlock<T> b = seq_block(kp, table, blk, ctx, bs, tok_stride);
     for (int64_t h = 0; h < KVH; ++h) {
       vfloat q[GC][NV];
@@ -580,28 +586,35 @@ void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T*
         for (int g = 0; g < GC; ++g) {
           vfloat a = q[g][0] * k[0];
           for (int j = 1; j < NV; ++j) a += q[g][j] * k[j];
-          s[(h * GC + g) * ctx + b.t0 + i] = hsum(a) * sc;
+          s[(h * GC + g) * len + b.t0 - base + i] = hsum(a) * sc;
         }
       }
     }
   }
-  float inv[64];
+  float mx[64], sums[64];
   for (int64_t j = 0; j < H; ++j) {
-    float* __restrict sg = s + j * ctx;
+    float* __restrict sg = s + j * len;
     float m = -INFINITY;
-    for (int64_t t = 0; t < ctx; ++t) m = sg[t] > m ? sg[t] : m;
+    for (int64_t t = 0; t < len; ++t) m = sg[t] > m ? sg[t] : m;
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t t = 0; t < len; ++t) {
       const float e = fast_exp(sg[t] - m);
       sg[t] = e;
       sum += e;
     }
-    inv[j] = 1.f / sum;
+    mx[j] = m;
+    sums[j] = sum;
   }
-  acc.assign(H * DC, 0.f);
-  float* __restrict a = acc.data();  // [H][DC]
-  for (int64_t blk = 0; blk < nblk; ++blk) {
+  float* __restrict a;  // [H][DC]
+  if (ob) {
+    acc.assign(H * DC, 0.f);
+    a = acc.data();
+  } else {
+    a = part + 2 * H;
+    std::fill(a, a + H * DC, 0.f);
+  }
+  for (int64_t blk = blk0; blk < blk1; ++blk) {
     const SeqBlock<T> b = seq_block(vp, table, blk, ctx, bs, tok_stride);
     for (int64_t h = 0; h < KVH; ++h) {
       vfloat o[GC][NV];
@@ -611,7 +624,7 @@ void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T*
         vfloat v[NV];
         load_head<NV>(b.rows + i * tok_stride + h * DC, v);
         for (int g = 0; g < GC; ++g) {
-          const vfloat pg = vsplat(s[(h * GC + g) * ctx + b.t0 + i]);
+          const vfloat pg = vsplat(s[(h * GC + g) * len + b.t0 - base + i]);
           for (int j = 0; j < NV; ++j) o[g][j] += pg * v[j];
         }
       }
@@ -619,9 +632,47 @@ void attend_seq_vec(const float* __restrict qb, const T* __restrict kp, const T*
         for (int j = 0; j < NV; ++j) vstore(a + (h * GC + g) * DC + j * VW, o[g][j]);
     }
   }
-  for (int64_t j = 0; j < H; ++j)
-    for (int64_t d = 0; d < DC; ++d) ob[j * DC + d] = from_float<T>(a[j * DC + d] * inv[j]);
+  if (!ob) {
+    std::copy(mx, mx + H, part);
+    std::copy(sums, sums + H, part + H);
+    return;
+  }
+  for (int64_t j = 0; j < H; ++j) {
+    const float inv = 1.f / sums[j];
+    for (int64_t d = 0; d < DC; ++d) ob[j * DC + d] = from_float<T>(a[j * DC + d] * inv);
+  }
 }
+
+// The parts of one split context (each [H] max, [H] sum of exp, [H][D] weighted V, as attend_seq_vec
+// writes them) into the normalized output ``ob`` [H][D]: each part's terms rescaled to the largest max.
+template <typename T>
+void combine_parts(const float* parts, int64_t nparts, int64_t H, int64_t D, T* ob) {
+  const int64_t stride = H * (D + 2);
+  std::vector<float> w(nparts), o(D);
+  for (int64_t j = 0; j < H; ++j) {
+    float m = -INFINITY;
+    for (int64_t p = 0; p < nparts; ++p) m = std::max(m, parts[p * stride + j]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < nparts; ++p) {
+      w[p] = std::exp(parts[p * stride + j] - m);
+      sum += parts[p * stride + H + j] * w[p];
+    }
+    std::fill(o.begin(), o.end(), 0.f);
+    for (int64_t p = 0; p < nparts; ++p) {
+      const float* ap = parts + p * stride + 2 * H + j * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += ap[d] * w[p];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < D; ++d) ob[j * D + d] = from_float<T>(o[d] * inv);
+  }
+}
+
+// A context split for the decode kernel's threads: parts of at least this many tokens (whole blocks).
+constexpr int64_t MIN_PART_TOKENS = 256;
+
+struct DecodeTask {
+  int64_t seq, blk0, blk1, part;  // part: index into the part buffers, -1 for a whole context
+};
 
 template <typename T>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -635,25 +686,56 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* clp = cl.data_ptr<int64_t>();
   T* op = mptr<T>(out);
-  // Sequences are taken longest first from a shared counter by whichever thread is free (the prefill
-  // kernel's scheme): a plain split of the batch into consecutive ranges left one thread with most of the
-  // context whenever the long ones sat together (a running engine lists its oldest, longest requests first):
-  // on a 2-core AVX-512 CPU, 48 rows of 280 then 48 of 40 context took 1.16x as long as 96 rows of 160.
-  std::vector<int64_t> order(B);
-  for (int64_t b = 0; b < B; ++b) order[b] = b;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return clp[x] > clp[y]; });
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const bool vec = H <= 64 && ((D == 64 && G >= 1 && G <= 4) || (D == 128 && (G == 1 || G == 2 || G == 4)) ||
+                               (D == 32 && G == 3));
+  // Work is dealt in tasks taken longest first from a shared counter by whichever thread is free (as the
+  // prefill kernel's): a plain split of the batch into consecutive ranges left one thread with most of the
+  // context whenever the long ones sat together (a running engine lists its oldest, longest requests first;
+  // on a 2-core AVX-512 CPU, 48 rows of 280 then 48 of 40 context took 1.16x as long as 96 rows of 160). A
+  // context longer than the batch's fair share per thread is split into parts of whole blocks, combined
+  // after (flash-decoding's split over the keys), so that one long sequence does not run on one thread
+  // while the others wait: a single decode row of 1,024 context ran 1.12-1.24x its profile's prediction.
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += clp[b];
+  const int64_t share = (total + 2 * threads - 1) / (2 * threads);
+  const int64_t part_blocks = (std::max(MIN_PART_TOKENS, share) + bs - 1) / bs;
+  std::vector<DecodeTask> tasks;
+  std::vector<int64_t> first_part(B, -1), num_parts(B, 0);
+  int64_t nparts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nblk = (clp[b] + bs - 1) / bs;
+    if (threads == 1 || !vec || clp[b] <= 0 || nblk <= part_blocks) {
+      tasks.push_back({b, 0, nblk, -1});
+      continue;
+    }
+    first_part[b] = nparts;
+    for (int64_t k0 = 0; k0 < nblk; k0 += part_blocks) {
+      tasks.push_back({b, k0, std::min(nblk, k0 + part_blocks), nparts++});
+      ++num_parts[b];
+    }
+  }
+  const int64_t part_stride = H * (D + 2);
+  std::vector<float> parts(nparts * part_stride);
+  auto tokens = [&](const DecodeTask& t) { return std::min(t.blk1 * bs, clp[t.seq]) - t.blk0 * bs; };
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const DecodeTask& x, const DecodeTask& y) { return tokens(x) > tokens(y); });
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), B));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  const int64_t workers = std::min<int64_t>(threads, ntasks);
+  at::parallel_for(0, std::max<int64_t>(1, workers), 1, [&](int64_t, int64_t) {
     std::vector<int64_t> off;
     std::vector<float> scores, acc, qf(H * D);
-    for (int64_t k = next.fetch_add(1); k < B; k = next.fetch_add(1)) {
-      const int64_t b = order[k];
+    for (int64_t k = next.fetch_add(1); k < ntasks; k = next.fetch_add(1)) {
+      const DecodeTask& task = tasks[k];
+      const int64_t b = task.seq;
       for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
-      T* ob = op + b * H * D;
+      T* ob = task.part < 0 ? op + b * H * D : nullptr;
+      float* part = task.part < 0 ? nullptr : parts.data() + task.part * part_stride;
       const int64_t* table = btp + b * MB;
       const int64_t ctx = clp[b];
-#define WB_VEC(DC, GC) attend_seq_vec<T, DC, GC>(qf.data(), kp, vp, table, ctx, bs, KVH, sc, scores, acc, ob)
+#define WB_VEC(DC, GC) \
+  attend_seq_vec<T, DC, GC>(qf.data(), kp, vp, table, ctx, task.blk0, task.blk1, bs, KVH, sc, scores, acc, ob, part)
 #define WB_CALL(DC) attend_seq<T, DC>(qf.data(), kp, vp, table, ctx, bs, KVH, G, D, sc, off, scores, acc, ob)
       if (ctx > 0 && H > 64) WB_CALL(0);
       else if (ctx > 0 && D == 64 && G == 3) WB_VEC(64, 3);
@@ -677,6 +759,8 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 #undef WB_VEC
     }
   });
+  for (int64_t b = 0; b < B; ++b)
+    if (num_parts[b]) combine_parts<T>(parts.data() + first_part[b] * part_stride, num_parts[b], H, D, op + b * H * D);
 }
 
 struct PrefillArgs {
