@@ -220,7 +220,8 @@ def test_drift_rescales_only_what_the_probes_before_and_after_agree_on():
     """A 2-core VM's speed swings within a minute: a class of probe steps is rescaled only when the probes
     before and after the runs are both off the profile on the same side, and then by the one nearer 1."""
     from engines.sim.cost_model import step_features
-    from engines.sim.profiler import LARGE_PROBE_TOKENS, PROBE_GRID, grid_batch
+    from engines.sim.cost_model import SCALE_SMALL_TOKENS
+    from engines.sim.profiler import PROBE_GRID, grid_batch
     from workbench.runner import DRIFT_MARGIN, agreed_factor, drift
 
     assert agreed_factor(0.90, 0.95, 0.92) == 0.95 and agreed_factor(1.20, 1.08, 1.1) == 1.08
@@ -236,7 +237,7 @@ def test_drift_rescales_only_what_the_probes_before_and_after_agree_on():
         steps = []
         for phase, k in (("before", 0), ("after", 1)):
             for i, f in enumerate(feats):
-                x = small[k] if f["tokens"] < LARGE_PROBE_TOKENS else large[k]
+                x = small[k] if f["tokens"] <= SCALE_SMALL_TOKENS else large[k]
                 steps.append({"probe": i, "features": f, "seconds": x * cm.probe_baseline[i]["seconds"],
                               "phase": phase})
         return {"gemm_gflops": 100.0, "steps": steps}

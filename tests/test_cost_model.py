@@ -11,7 +11,7 @@ from engines.core.scheduler import ScheduledSeq
 from engines.core.step_shape import StepShape
 from engines.sim.cost_model import (SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS, CostModel, hat_weights, shape_features,
                                     step_features)
-from engines.sim.profiler import (FULL_GRID, LARGE_PROBE_TOKENS, PROBE_GRID, GridStep, fit_table_model, grid_batch,
+from engines.sim.profiler import (FULL_GRID, PROBE_GRID, GridStep, fit_table_model, grid_batch,
                                   probe_ratio, probe_ratios)
 
 SP = SamplingParams(max_tokens=4, temperature=0)
@@ -163,14 +163,15 @@ def test_profile_times_every_probe_step_as_its_baseline(tiny_llama_dir):
     assert cm.fit_error["n_points"] == len(QUICK_GRID)  # the probes are timed, not fitted
 
 
-def test_drift_has_a_decode_and_a_prefill_factor():
-    """A machine whose decode steps run 10% faster than its profile and whose prefills run 5% slower: the
-    probe ratios tell the two apart, and the rescaled model predicts both within the rounding."""
+def test_drift_has_a_memory_bound_and_a_compute_bound_factor():
+    """A machine whose steps of a few rows (bound by reading the weights) run 10% faster than its profile and
+    whose larger steps (bound by arithmetic) run 5% slower: the probe ratios tell the two apart, a probe
+    between the two classes counts in neither, and the rescaled model predicts both within the rounding."""
     cm = _true_model()
     probes, truth = [], {}
     for step in PROBE_GRID:
         f = step_features(grid_batch(step, 16, 8192).seqs)
-        factor = 0.9 if f["tokens"] < LARGE_PROBE_TOKENS else 1.05
+        factor = 0.9 if f["tokens"] <= SCALE_SMALL_TOKENS else 1.05 if f["tokens"] >= SCALE_LARGE_TOKENS else 1.0
         probes.append({"features": f, "seconds": factor * cm.predict_exec(f)})
         truth[step] = (f, factor * cm.predict_exec(f))
     r = probe_ratios(cm, probes)
@@ -257,8 +258,9 @@ def test_cheap_grid_steps_get_more_runs():
 
 
 def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_class():
-    """The speed of the twin's own steps is taken against the profile without its drift factors: decode-sized
-    steps (at most 64 tokens) and prefill-sized ones (at least 256) apart, steps between counted in neither."""
+    """The speed of the twin's own steps is taken against the profile without its drift factors: small steps
+    (at most ``SCALE_SMALL_TOKENS`` tokens) and large ones (at least ``SCALE_LARGE_TOKENS``) apart, steps
+    between counted in neither."""
     import math
     from types import SimpleNamespace
 
@@ -269,15 +271,16 @@ def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_cl
     cm = CostModel({"const": 0.01, "tokens": 1e-4}, speed_scale=0.5, speed_scale_large=3.0)  # factors ignored
     raw = CostModel({"const": 0.01, "tokens": 1e-4})
 
-    def step(tokens, ratio):
-        shape = StepShape(tokens=tokens, decode_rows=tokens if tokens <= 64 else 0, decode_ctx=10 * tokens,
-                          prefill_seqs=0 if tokens <= 64 else 1, prefill_tokens=0 if tokens <= 64 else tokens,
-                          sampled=1)
+    def step(tokens, ratio, prefill=False):
+        rows = 0 if prefill else tokens
+        shape = StepShape(tokens=tokens, decode_rows=rows, decode_ctx=10 * rows, prefill_seqs=int(prefill),
+                          prefill_tokens=tokens - rows, sampled=1)
         return SimpleNamespace(num_seqs=1, duration=ratio * raw.predict_features(shape_features(shape)) - 0.002,
                                overhead=0.002, shape=shape)
 
-    steps = [step(8, 1.1), step(32, 1.21), step(128, 5.0), step(512, 0.9), step(1024, 0.9),
-             SimpleNamespace(num_seqs=0, duration=0.0, overhead=0.0, shape=StepShape())]
+    mid = int((SCALE_SMALL_TOKENS * SCALE_LARGE_TOKENS) ** 0.5)
+    steps = [step(1, 1.1), step(SCALE_SMALL_TOKENS, 1.21), step(mid, 5.0), step(SCALE_LARGE_TOKENS, 0.9),
+             step(1024, 0.9, prefill=True), SimpleNamespace(num_seqs=0, duration=0.0, overhead=0.0, shape=StepShape())]
     got = twin_speed(cm, steps)
     assert got["scale_small"] == pytest.approx(math.sqrt(1.1 * 1.21))
     assert got["scale_large"] == pytest.approx(0.9)
@@ -288,5 +291,5 @@ def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_cl
                                                  ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}},
            "speed_matched": {**got, "dist": {"output_throughput": 0.01, **{m: {"p50": -0.02, "p99": 0.0} for m in
                                                                           ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}}
-    assert ("at the twin's own speed (1.154x/0.900x the profile, decode/prefill): throughput +1.0%, "
+    assert ("at the twin's own speed (1.154x/0.900x the profile, small/large steps): throughput +1.0%, "
             "TTFT p50 -2.0%, TPOT p50 -2.0%, E2EL p50 -2.0%") in summary_line(err)

@@ -303,7 +303,7 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     they came before and after, the sim engine's twin when it has one): ``speed_ratio`` = geometric mean of
     measured / reference (``engines.sim.profiler.probe_reference``: the profile's own timing of the probe
     step, ``reference: baseline``, else its prediction) over every probe step of those runs, and the same
-    over the small (decode) and the large (prefill) probe steps apart (``speed_ratio_small``,
+    over the small (memory-bound) and the large (compute-bound) probe steps apart (``speed_ratio_small``,
     ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``), and each apart for the probes ``before``
     and ``after`` the runs. The factors applied (``scale_small``, ``scale_large``) are those that the probes
     before and after agree on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
@@ -504,7 +504,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
                 cm.speed_scale, cm.speed_scale_large = d["scale_small"], d["scale_large"]
                 if echo:
                     echo(f"{spec.name}: the probes before and after the runs agree that this machine runs "
-                         f"{cm.speed_scale:.3f}x (decode) and {cm.speed_scale_large:.3f}x (prefill) the profile's "
+                         f"{cm.speed_scale:.3f}x (small steps) and {cm.speed_scale_large:.3f}x (large ones) the profile's "
                          f"times (margin {DRIFT_MARGIN:.0%}); predictions rescaled")
         # with step noise the simulator is one draw of a noisy machine too: as many runs as the real engines
         # had, noise seeds seed, seed + 1, ..., so that its means compare with theirs

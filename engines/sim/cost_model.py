@@ -78,8 +78,13 @@ def linear_terms(coef: dict[str, float], f: dict[str, float], names: tuple[str, 
     return t
 
 
-SCALE_SMALL_TOKENS = 64  # drift: steps up to this many tokens take ``speed_scale`` (memory-bound decodes)
-SCALE_LARGE_TOKENS = 256  # ... and steps from this many on ``speed_scale_large`` (compute-bound prefills)
+# Drift classes by the step's GEMM rows. A step of a few rows is bound by reading every weight from memory, a
+# step of many by the GEMMs' arithmetic (the ridge: about 16 float32 rows at 150 GFLOP/s and 20 GB/s), and on a
+# shared VM the two drift apart: in one quickstart run on a 2-core AVX-512 AMD EPYC the static engine's decode
+# steps of 5-8 rows ran 1.09x the profile while its prefills ran 1.00x, and the 1- and 4-row probes read
+# 1.07-1.12x while the 48-row probe read 0.90-1.05x.
+SCALE_SMALL_TOKENS = 8  # drift: steps up to this many tokens take ``speed_scale`` (memory-bound)
+SCALE_LARGE_TOKENS = 32  # ... and steps from this many on ``speed_scale_large`` (compute-bound)
 
 
 @dataclass

@@ -326,7 +326,6 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 # from the decodes') and a mixed step; about 5 s on a 2-core CPU
 PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48, 128), GridStep(prefills=((128, 0),)),
               GridStep(8, 256, ((64, 0),)), GridStep(prefills=((384, 0),)))
-LARGE_PROBE_TOKENS = 128  # probe steps of at least this many tokens time the compute-bound regime
 
 
 def speed_probe(executor, repeats: int = 3, phase: str = "") -> list[dict]:
@@ -362,12 +361,16 @@ def probe_ratio(cost_model: CostModel, probes: list[dict]) -> float | None:
 
 
 def probe_ratios(cost_model: CostModel, probes: list[dict]) -> dict[str, float | None]:
-    """:func:`probe_ratio` over all probe steps (``all``), over those of fewer than
-    :data:`LARGE_PROBE_TOKENS` tokens (``small``: decode batches, bound by reading weights and KV from
-    memory) and over the others (``large``: prefills, bound by arithmetic). A machine's drift is not one
-    factor: a busy neighbour slows memory-bound steps, a clock change compute-bound ones."""
-    small = [p for p in probes if p["features"].get("tokens", 0) < LARGE_PROBE_TOKENS]
-    large = [p for p in probes if p["features"].get("tokens", 0) >= LARGE_PROBE_TOKENS]
+    """:func:`probe_ratio` over all probe steps (``all``), over those of at most
+    ``engines.sim.cost_model.SCALE_SMALL_TOKENS`` tokens (``small``: decodes of a few rows, bound by reading the
+    weights from memory) and over those of at least ``SCALE_LARGE_TOKENS`` (``large``: bigger decode batches,
+    mixed steps and prefills, bound by the GEMMs' arithmetic); a probe between the two counts in ``all`` only.
+    A machine's drift is not one factor: a busy neighbour slows memory-bound steps, a clock change
+    compute-bound ones. Each class's probes are those whose steps take its factor in full (``CostModel.scale``)."""
+    from engines.sim.cost_model import SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS
+
+    small = [p for p in probes if p["features"].get("tokens", 0) <= SCALE_SMALL_TOKENS]
+    large = [p for p in probes if p["features"].get("tokens", 0) >= SCALE_LARGE_TOKENS]
     return {"all": probe_ratio(cost_model, probes), "small": probe_ratio(cost_model, small),
             "large": probe_ratio(cost_model, large)}
 

@@ -74,6 +74,7 @@ def print_summary(name: str, results: dict) -> None:
         print(line)
     if results.get("cluster"):
         print_cluster(results)
+    from engines.sim.cost_model import SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS
     from workbench.fidelity import summary_line
 
     for n, e in results["engines"].items():
@@ -82,7 +83,7 @@ def print_summary(name: str, results: dict) -> None:
             print(f"sim {n} {summary_line(err)}")
         d = e.get("drift")
         if d and d.get("speed_ratio") is not None:
-            how = (f"rescaled by {d.get('scale_small', 1.0):.3f}x decode, {d.get('scale_large', 1.0):.3f}x prefill"
+            how = (f"rescaled by {d.get('scale_small', 1.0):.3f}x small, {d.get('scale_large', 1.0):.3f}x large steps"
                    if d["rescaled"] else
                    f"not rescaled: beyond {d['max']:g}x, the profile does not describe this machine"
                    if d.get("beyond_max") else
@@ -90,7 +91,8 @@ def print_summary(name: str, results: dict) -> None:
             parts = ""
             small, large = d.get("speed_ratio_small"), d.get("speed_ratio_large")
             if small is not None and large is not None:
-                parts = f" (decode probes {small:.3f}x, prefill probes {large:.3f}x"
+                parts = (f" (small probes, {SCALE_SMALL_TOKENS} tokens or fewer, {small:.3f}x; large ones, "
+                         f"{SCALE_LARGE_TOKENS} or more, {large:.3f}x")
                 b, a = d.get("before") or {}, d.get("after") or {}
 
                 def x(v):
