@@ -293,3 +293,31 @@ def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_cl
                                                                           ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}}
     assert ("at the twin's own speed (1.154x/0.900x the profile, small/large steps): throughput +1.0%, "
             "TTFT p50 -2.0%, TPOT p50 -2.0%, E2EL p50 -2.0%") in summary_line(err)
+
+
+def test_request_errors_state_the_real_repeats_own_per_request_difference():
+    """Per-request MAPEs are taken between the means over each side's repeats; ``noise_floor`` puts each real
+    repeat against the mean of the other ones (leave one out), pooled."""
+    from types import SimpleNamespace
+
+    from workbench.fidelity import request_errors, summary_line
+
+    def out(rid, ttft, e2el):
+        return SimpleNamespace(request_id=rid, finish_reason="length", arrival_time=0.0, first_token_time=ttft,
+                               finished_time=e2el, token_ids=[1, 2], token_times=[ttft, e2el])
+
+    real = [[out("a", 1.0, 10.0), out("b", 2.0, 20.0)], [out("a", 3.0, 14.0), out("b", 2.0, 20.0)]]
+    sim = [[out("a", 2.0, 12.0), out("b", 3.0, 20.0)]]
+    got = request_errors(sim, real)
+    assert got["n_matched"] == 2
+    assert got["ttft_mape"] == pytest.approx((0.0 + 0.5) / 2)
+    assert got["e2el_mape"] == pytest.approx(0.0)
+    floor = got["noise_floor"]  # repeat 1 vs repeat 2 and back: a 1 vs 3, 3 vs 1; b equal
+    assert floor["n_repeats"] == 2
+    assert floor["ttft_mape"] == pytest.approx((2 / 3 + 0 + 2 / 1 + 0) / 4)
+    assert floor["e2el_mape"] == pytest.approx((4 / 14 + 0 + 4 / 10 + 0) / 4)
+    assert request_errors(sim, real[:1])["noise_floor"] is None
+    err = {"real_engine": "paged", "step": {}, "request": got,
+           "dist": {"output_throughput": 0.0, **{m: {"p50": 0.0, "p99": 0.0} for m in
+                                                 ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
+    assert "per-request MAPE TTFT 25.0% E2EL 0.0% (real repeats among themselves 66.7% / 17.1%)" in summary_line(err)

@@ -25,7 +25,7 @@ DIST_STATS = ("mean", "p50", "p90", "p99")
 
 FORMULAS = {
     "sim_error.step": "over the real engine's steps (every repeat): e = (cost model's prediction of the step's shape - measured duration - overhead) / (measured duration + overhead); mape = mean |e|, mean = mean e (signed), p90 = 90th percentile of |e|; shape_median_mape = mean over step shapes (kind x rows x tokens x context per row x cached context per prefill token, power-of-2 buckets) seen at least 3 times of |median prediction - median measured| / median measured (shape_median_mape_all: over every shape); noise_floor = median |d - shape median| / shape median of the measured steps of shapes seen at least 3 times (the real executor's own step-to-step spread)",
-    "sim_error.request": "requests finished in both, matched by id: ttft_mape = mean |sim TTFT - real TTFT| / real TTFT, e2el_mape likewise (each side: the mean over its repeats of each request; a sim engine with step noise runs as many repeats as its twin, noise seeds seed + i)",
+    "sim_error.request": "requests finished in both, matched by id: ttft_mape = mean |sim TTFT - real TTFT| / real TTFT, e2el_mape likewise (each side: the mean over its repeats of each request; a sim engine with step noise runs as many repeats as its twin, noise seeds seed + i); noise_floor (with 2 or more real repeats): the same two MAPEs of each real repeat against the mean of the other repeats, pooled over the repeats (leave one out): the real engine's own per-request repeat-to-repeat difference, with one repeat on the measured side where the sim is compared with the mean of all of them)",
     "profile": "a sim engine's cost model: path, fingerprint (CPU model and ISA flags, torch CPU kernel level, threads, torch version, model and its config hash, dtype, weight dtype, attention kernels) and when it was measured; cost_model auto measures this machine's on first use (workbench.calibration)",
     "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed (phase before / after); a sim engine takes the probes of its real twin's runs (probes_of; all real runs' when it has no twin); each probe's reference is the profile's own timing of the same step (probe_baseline, timed in the profile's grid passes; reference: baseline), else the profile's prediction (reference: prediction); speed_ratio = geometric mean over the probes of measured / reference seconds; speed_ratio_small and speed_ratio_large = the same over probe steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens (memory-bound: decodes of a few rows) and of at least SCALE_LARGE_TOKENS (compute-bound: larger decode batches, mixed steps, prefills); before and after: the same three over each phase's probes; the factor of each class (scale_small, scale_large) is the phase ratio nearer 1 when both phases are off by more than margin on the same side, else 1 (workbench.runner.agreed_factor); when either factor is not 1 and every ratio is within [1 / max, max] the sim engine's predictions are multiplied by a factor of the step's tokens: scale_small up to SCALE_SMALL_TOKENS (8) tokens, scale_large from SCALE_LARGE_TOKENS (32), linear in log(tokens) between (CostModel.scale; rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
@@ -85,7 +85,9 @@ def step_errors(cost_model, steps) -> dict:
 
 def request_errors(sim_runs: list, real_runs: list) -> dict:
     """Per-request MAPE of TTFT and E2EL; ``sim_runs`` and ``real_runs`` are lists of each repeat's outputs (each
-    side averaged per request id over its repeats)."""
+    side averaged per request id over its repeats). With two or more real repeats, ``noise_floor`` holds the same
+    MAPEs of each real repeat against the mean of the other repeats (pooled; ``FORMULAS["sim_error.request"]``):
+    how far the real engine's own repeats land from each other per request, else None."""
     from workbench.metrics import request_metrics
 
     def table(outs):
@@ -102,19 +104,30 @@ def request_errors(sim_runs: list, real_runs: list) -> dict:
             return None
         return statistics.fmean(v[0] for v in vals), statistics.fmean(v[1] for v in vals)
 
+    def mapes(one: list[dict], other: list[dict]) -> tuple[list[float], list[float]]:
+        ttft, e2el = [], []
+        for rid in one[0] if one else ():
+            s, r = mean_of(one, rid), mean_of(other, rid)
+            if s is None or r is None:
+                continue
+            (st, se), (rt, re_) = s, r
+            if rt > 0:
+                ttft.append(abs(st - rt) / rt)
+            if re_ > 0:
+                e2el.append(abs(se - re_) / re_)
+        return ttft, e2el
+
     sims, reals = [table(outs) for outs in sim_runs], [table(outs) for outs in real_runs]
-    ttft, e2el = [], []
-    for rid in sims[0] if sims else ():
-        s, r = mean_of(sims, rid), mean_of(reals, rid)
-        if s is None or r is None:
-            continue
-        (st, se), (rt, re_) = s, r
-        if rt > 0:
-            ttft.append(abs(st - rt) / rt)
-        if re_ > 0:
-            e2el.append(abs(se - re_) / re_)
+    ttft, e2el = mapes(sims, reals)
+    floor = None
+    if len(reals) >= 2:
+        # leave one out: each real repeat against the mean of the others, pooled over the repeats
+        pairs = [mapes([reals[i]], reals[:i] + reals[i + 1:]) for i in range(len(reals))]
+        ft, fe = [x for p in pairs for x in p[0]], [x for p in pairs for x in p[1]]
+        floor = {"n_repeats": len(reals), "ttft_mape": statistics.fmean(ft) if ft else None,
+                 "e2el_mape": statistics.fmean(fe) if fe else None}
     return {"n_matched": len(e2el), "ttft_mape": statistics.fmean(ttft) if ttft else None,
-            "e2el_mape": statistics.fmean(e2el) if e2el else None}
+            "e2el_mape": statistics.fmean(e2el) if e2el else None, "noise_floor": floor}
 
 
 def dist_errors(sim: dict, real: dict) -> dict:
@@ -234,7 +247,10 @@ def summary_line(err: dict) -> str:
              f"TPOT p50 {pct(d['tpot_ms']['p50'])}", f"ITL p99 {pct(d['itl_ms']['p99'])}",
              f"E2EL p50 {pct(d['e2el_ms']['p50'])} p99 {pct(d['e2el_ms']['p99'])}"]
     if rq.get("e2el_mape") is not None:
-        parts.append(f"per-request MAPE TTFT {rq['ttft_mape']:.1%} E2EL {rq['e2el_mape']:.1%}")
+        floor = rq.get("noise_floor") or {}
+        real = (f" (real repeats among themselves {floor['ttft_mape']:.1%} / {floor['e2el_mape']:.1%})"
+                if floor.get("e2el_mape") is not None and floor.get("ttft_mape") is not None else "")
+        parts.append(f"per-request MAPE TTFT {rq['ttft_mape']:.1%} E2EL {rq['e2el_mape']:.1%}{real}")
     spread = err.get("real_spread")
     if spread:
         inside = sum(v["within_range"] for v in spread.values())
