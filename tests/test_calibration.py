@@ -207,6 +207,9 @@ def test_sensitivity_reruns_a_sim_twin_with_slower_steps(tiny_llama_dir, tmp_pat
     assert matched["n_steps_small"] > 0 and matched["scale_small"] > 0
     assert set(matched["dist"]) == {"output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"}
     assert matched["request"]["n_matched"] == 3
+    # the step level again with the machine's mean speed over the run taken out: the same real steps
+    step = res["engines"]["sim-paged"]["summary"]["sim_error"]["step"]
+    assert matched["step"]["n_steps"] == step["n_steps"] > 0 and matched["step"]["shape_median_mape"] is not None
     res = run_scenario(load_scenario(p), tmp_path / "out2", plots=False)
     assert "sensitivity" not in res["engines"]["sim-paged"]["summary"]["sim_error"]
     assert "speed_matched" not in res["engines"]["sim-paged"]["summary"]["sim_error"]

@@ -30,7 +30,7 @@ FORMULAS = {
     "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed (phase before / after); a sim engine takes the probes of its real twin's runs (probes_of; all real runs' when it has no twin); each probe's reference is the profile's own timing of the same step (probe_baseline, timed in the profile's grid passes; reference: baseline), else the profile's prediction (reference: prediction); speed_ratio = geometric mean over the probes of measured / reference seconds; speed_ratio_small and speed_ratio_large = the same over probe steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens (memory-bound: decodes of a few rows) and of at least SCALE_LARGE_TOKENS (compute-bound: larger decode batches, mixed steps, prefills); before and after: the same three over each phase's probes; the factor of each class (scale_small, scale_large) is the phase ratio nearer 1 when both phases are off by more than margin on the same side, else 1 (workbench.runner.agreed_factor); when either factor is not 1 and every ratio is within [1 / max, max] the sim engine's predictions are multiplied by a factor of the step's tokens: scale_small up to SCALE_SMALL_TOKENS (8) tokens, scale_large from SCALE_LARGE_TOKENS (32), linear in log(tokens) between (CostModel.scale; rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
     "sim_error.sensitivity": "how much each figure moves when every simulated step is slower by step_time_change (5%): the sim engine is run again with its cost model's predictions times 1 + step_time_change, with the same noise seeds as its runs; elasticity[figure] = mean over the seeds of (slowed / as run - 1) / step_time_change (1.0: the figure moves as much as the step time; 5.0: five times as much); step_error_for_bound[figure] = bound / |elasticity|: the largest error of the step times that keeps the figure within its bound (the bounds: 5% throughput, 10% p50s, 15% p99s)",
-    "sim_error.speed_matched": "the sim engine run again (same noise seeds) at the speed its real twin's own steps ran, to tell the cost model's and scheduler's error from the machine's drift: scale_small = geometric mean over the twin's steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens of measured (duration + overhead) / the profile's prediction without drift factors, scale_large the same over steps of at least SCALE_LARGE_TOKENS tokens (CostModel.scale interpolates between); dist and request as sim_error.dist and sim_error.request for that run. The real run's own timings inform it, so it is a diagnostic, not a prediction: a what-if has no real run to take its speed from",
+    "sim_error.speed_matched": "the sim engine run again (same noise seeds) at the speed its real twin's own steps ran, to tell the cost model's and scheduler's error from the machine's drift: scale_small = geometric mean over the twin's steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens of measured (duration + overhead) / the profile's prediction without drift factors, scale_large the same over steps of at least SCALE_LARGE_TOKENS tokens (CostModel.scale interpolates between); dist and request as sim_error.dist and sim_error.request for that run; step as sim_error.step with the cost model at that speed (what is left is the error of the step shapes, the machine's mean speed over the run taken out). The real run's own timings inform it, so it is a diagnostic, not a prediction: a what-if has no real run to take its speed from",
     "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat",
 }
 
@@ -221,10 +221,16 @@ def twin_speed(cost_model, steps) -> dict:
     return out
 
 
-def speed_matched_errors(speed: dict, sim_summary: dict, sim_runs: list, real_summary: dict, real_runs: list) -> dict:
+def speed_matched_errors(speed: dict, sim_summary: dict, sim_runs: list, real_summary: dict, real_runs: list,
+                         cost_model=None, real_steps: list | None = None) -> dict:
     """``sim_error.speed_matched``: ``speed`` (:func:`twin_speed`) with the distribution and request errors of the
-    sim engine's run at that speed (``sim_summary``, ``sim_runs``: its per-seed outputs) against its twin."""
-    return {**speed, "dist": dist_errors(sim_summary, real_summary), "request": request_errors(sim_runs, real_runs)}
+    sim engine's run at that speed (``sim_summary``, ``sim_runs``: its per-seed outputs) against its twin, and,
+    given the ``cost_model`` at that speed and the twin's ``real_steps``, the step level at that speed
+    (:func:`step_errors`: the shapes' error with the machine's mean speed taken out)."""
+    out = {**speed, "dist": dist_errors(sim_summary, real_summary), "request": request_errors(sim_runs, real_runs)}
+    if cost_model is not None and real_steps is not None:
+        out["step"] = step_errors(cost_model, real_steps)
+    return out
 
 
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
@@ -271,8 +277,10 @@ def summary_line(err: dict) -> str:
                      f"{pct(d2['tpot_ms']['p50'])}, E2EL p50 {pct(d2['e2el_ms']['p50'])}")
     if st.get("n_steps"):
         nf = st.get("noise_floor")
-        sm = st.get("shape_median_mape")
-        parts.append(f"steps: MAPE {st['mape']:.1%}, per-shape medians {'n/a' if sm is None else f'{sm:.1%}'}"
+        shape = st.get("shape_median_mape")
+        at_speed = ((err.get("speed_matched") or {}).get("step") or {}).get("shape_median_mape")
+        parts.append(f"steps: MAPE {st['mape']:.1%}, per-shape medians {'n/a' if shape is None else f'{shape:.1%}'}"
+                     + (f" ({at_speed:.1%} at the twin's own speed)" if at_speed is not None else "")
                      + (f" (noise floor {nf:.1%})" if nf is not None else ""))
     return "; ".join(parts)
 

@@ -345,7 +345,8 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: d
     one simulates another machine: step, request and distribution errors against this one mean nothing, so
     it gets none). ``slowed``: sim engine -> its per-seed summaries with every step slower by
     ``SENSITIVITY_STEP`` (``sim_error.sensitivity``). ``matched``: sim engine -> (speed, per-seed (summary,
-    outputs)) of its run at its twin's own measured speed, or None (``sim_error.speed_matched``)."""
+    outputs), the cost model at that speed) of its run at its twin's own measured speed, or None
+    (``sim_error.speed_matched``)."""
     from workbench.fidelity import sensitivity, sim_error, speed_matched_errors
 
     engines = results["engines"]
@@ -362,10 +363,11 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: d
         if slowed and name in slowed:
             e["summary"]["sim_error"]["sensitivity"] = sensitivity([r[0] for r in per_engine[name]], slowed[name])
         if matched and matched.get(name):
-            speed, at_speed = matched[name]
+            speed, at_speed, cm_at_speed = matched[name]
             summ = at_speed[0][0] if len(at_speed) == 1 else mean_summary([r[0] for r in at_speed])
             e["summary"]["sim_error"]["speed_matched"] = speed_matched_errors(
-                speed, summ, [r[1] for r in at_speed], engines[real]["summary"], [r[1] for r in runs])
+                speed, summ, [r[1] for r in at_speed], engines[real]["summary"], [r[1] for r in runs],
+                cost_model=cm_at_speed, real_steps=[st for r in runs for st in r[2]])
 
 
 def _versions() -> dict:
@@ -470,8 +472,9 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
     drifts, slowed, matched = {}, {}, {}
 
     def speed_matched_run(spec, cm, twin_steps, runs):
-        """The sim engine at its twin's own measured speed (``sim_error.speed_matched``): the speed and the
-        per-seed (summary, outputs), or None when the twin ran no step to take a speed from."""
+        """The sim engine at its twin's own measured speed (``sim_error.speed_matched``): the speed, the
+        per-seed (summary, outputs) and the cost model at that speed, or None when the twin ran no step to take
+        a speed from."""
         from workbench.fidelity import twin_speed
 
         speed = twin_speed(cm, twin_steps)
@@ -487,7 +490,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
             outs, steps = run_engine(sc, spec, model_dir, model_cfg, trace, eos, cost_model=at_speed,
                                      launch_pool=pool, out_dir=out_dir)
             out.append((summarize(outs, steps, len(trace), slo), outs))
-        return speed, out
+        return speed, out, at_speed
 
     for spec in sims:
         cm = None
