@@ -6,7 +6,8 @@ Each round replays two requests on the real paged engine (smollm2-135m, float32,
 at 0 s (100-token prompt, 11 output tokens, done after about 0.4 s) and request b at ``--gap`` seconds
 (100-token prompt, 40 output tokens), so the engine idles between them, as in the quickstart trace, whose first
 request ends at about 0.4 s and whose second arrives at 2.0 s. Per round: b's prefill over a's (the same shape)
-and the mean of b's first ten 1-row decode steps over the median of a's (the first two skipped). Settings:
+and the mean of the first ten decode steps after b's prefill over the median of a's decode steps before it (the
+first two skipped). Settings:
 
 * ``default``: the process as ``workbench run`` starts it;
 * ``active``: ``OMP_WAIT_POLICY=active`` (idle OpenMP threads keep spinning);
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.thread_placement import child_output, pick_settings  # noqa: E402
 SETTINGS = {
     "default": ({}, None),
     "active": ({"OMP_WAIT_POLICY": "active"}, None),
@@ -38,7 +39,6 @@ SETTINGS = {
 
 def child(gap: float, rounds: int) -> None:
     """One process: ``rounds`` rounds of the two-request replay; one JSON line per round."""
-    sys.path.insert(0, str(ROOT))
     from engines.core.request import Request
     from engines.core.sampling_params import SamplingParams
     from engines.factory import EngineConfig, build_engine
@@ -55,9 +55,11 @@ def child(gap: float, rounds: int) -> None:
         n0 = len(engine.steps)
         replay_realtime(engine, [req(f"a{rnd}", 100, 11), req(f"b{rnd}", 300, 40, gap)])
         steps = [s for s in engine.steps[n0:] if s.num_seqs]
-        prefills = [s.duration for s in steps if s.shape.prefill_tokens]
-        before = [s.duration for s in steps if not s.shape.prefill_tokens and s.start < gap][2:]
-        after = [s.duration for s in steps if not s.shape.prefill_tokens and s.start >= gap][:10]
+        at = [i for i, s in enumerate(steps) if s.shape.prefill_tokens]  # a's prefill, then b's
+        prefills = [steps[i].duration for i in at]
+        before = [s.duration for s in steps[at[0] + 1:at[1]] if not s.shape.prefill_tokens]
+        before = before[2:] or before  # the first two skipped where more are left
+        after = [s.duration for s in steps[at[1] + 1:] if not s.shape.prefill_tokens][:10]
         print(json.dumps({"gap_s": gap, "round": rnd, "prefill_ratio": prefills[1] / prefills[0],
                           "decode_ratio": statistics.fmean(after) / statistics.median(before)}), flush=True)
 
@@ -73,18 +75,13 @@ def main() -> None:
     if a.child is not None:
         child(a.child, a.rounds)
         return
-    names = a.settings.split(",")
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        sys.exit(f"error: --settings: unknown {', '.join(unknown)} (known: {', '.join(SETTINGS)})")
+    names = pick_settings(a.settings, SETTINGS)
     got: dict[str, list[dict]] = {n: [] for n in names}
-    for _ in range(a.processes):
+    for proc in range(a.processes):
         for name in names:
             env_add, gap = SETTINGS[name]
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_PROC", "OMP_PLACES", "OMP_WAIT"))}
-            out = subprocess.run([sys.executable, __file__, "--child", str(gap if gap is not None else a.gap),
-                                  "--rounds", str(a.rounds)], env={**env, **env_add}, check=True,
-                                 capture_output=True, text=True).stdout
+            out = child_output([__file__, "--child", str(gap if gap is not None else a.gap), "--rounds", str(a.rounds)],
+                               env_add, f"setting {name}, process {proc}")
             for line in out.splitlines():
                 if line.startswith("{"):
                     row = {"setting": name, **json.loads(line)}

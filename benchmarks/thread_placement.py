@@ -44,6 +44,25 @@ SETTINGS = {
 OMP_VARS = ("OMP_PROC_BIND", "OMP_PLACES", "OMP_WAIT_POLICY", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
 
+def pick_settings(arg: str, known) -> list[str]:
+    """The comma-separated setting names of ``arg``; exits with a one-line error naming any not in ``known``."""
+    names = arg.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"error: --settings: unknown {unknown}; choose from {sorted(known)}")
+    return names
+
+
+def child_output(argv: list[str], extra_env: dict, what: str) -> str:
+    """Run ``argv`` (this interpreter's child process) with the OpenMP variables of this process dropped and
+    ``extra_env`` added; its standard output. Exits with a one-line error naming ``what`` when it fails."""
+    env = {k: v for k, v in os.environ.items() if k not in OMP_VARS} | extra_env
+    p = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, check=False)
+    if p.returncode:
+        sys.exit(f"error: {what}: child exited {p.returncode}:\n{p.stderr[-2000:]}")
+    return p.stdout
+
+
 def spread(xs: list[float]) -> float:
     """(max - min) / mean; 0 for fewer than two values."""
     return (max(xs) - min(xs)) / statistics.fmean(xs) if len(xs) > 1 else 0.0
@@ -84,19 +103,13 @@ def main() -> None:
     if a.child:
         child(a.batches)
         return
-    names = a.settings.split(",")
-    unknown = [n for n in names if n not in SETTINGS]
-    if unknown:
-        sys.exit(f"error: --settings: unknown {unknown}; choose from {sorted(SETTINGS)}")
+    names = pick_settings(a.settings, SETTINGS)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for rnd in range(a.rounds):
         for n in names:
-            env = {k: v for k, v in os.environ.items() if k not in OMP_VARS} | SETTINGS[n]
-            p = subprocess.run([sys.executable, __file__, "--child", "--batches", str(a.batches)], env=env,
-                               capture_output=True, text=True, check=False)
-            if p.returncode:
-                sys.exit(f"error: setting {n}, round {rnd}: child exited {p.returncode}:\n{p.stderr[-2000:]}")
-            r = json.loads(p.stdout.strip().splitlines()[-1])
+            out = child_output([__file__, "--child", "--batches", str(a.batches)], SETTINGS[n],
+                               f"setting {n}, round {rnd}")
+            r = json.loads(out.strip().splitlines()[-1])
             runs[n].append(r)
             print(json.dumps({"round": rnd, "setting": n, **{k: [round(x, 1) for x in v] if isinstance(v, list)
                                                              else v for k, v in r.items()}}), flush=True)
