@@ -40,7 +40,11 @@ def fidelity_run(tmp_path_factory, smollm2_dir):
 def test_simulator_within_ci_bounds_of_the_real_engine(fidelity_run, sim):
     e = fidelity_run["engines"][sim]
     err = e["summary"]["sim_error"]
-    print(f"\n{sim} {summary_line(err)}; drift {e['drift']['speed_ratio']:.3f}x "
+    d = e["drift"]
+    phases = " ".join(f"{ph} {d[ph]['small']:.3f}x/{d[ph]['large']:.3f}x" for ph in ("before", "after")
+                      if (d.get(ph) or {}).get("small") and (d.get(ph) or {}).get("large"))
+    print(f"\n{sim} {summary_line(err)}; drift {d['speed_ratio']:.3f}x (probes small/large: {phases or 'n/a'}; "
+          f"applied {d['scale_small']:.3f}x/{d['scale_large']:.3f}x) "
           f"({fidelity_run['machine']['processor']}, {fidelity_run['machine']['cpu_capability']}, "
           f"{fidelity_run['machine']['torch_threads']} threads)")
     assert err["request"]["n_matched"] == fidelity_run["num_requests"]
