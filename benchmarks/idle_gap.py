@@ -2,8 +2,8 @@
 
     python benchmarks/idle_gap.py [--processes 2] [--rounds 3] [--gap 2.0] [--settings default,active,bind,nogap]
 
-Each round replays two requests on the real paged engine (smollm2-135m, float32, the quickstart's knobs: 8192-token KV pool, 64 seqs): request a
-at 0 s (100-token prompt, 11 output tokens, done after about 0.4 s) and request b at ``--gap`` seconds
+Each round replays two requests on the real paged engine (smollm2-135m, float32, the quickstart's knobs: an
+8192-token KV pool, at most 64 sequences): request a at 0 s (100-token prompt, 11 output tokens, done after about 0.4 s) and request b at ``--gap`` seconds
 (100-token prompt, 40 output tokens), so the engine idles between them, as in the quickstart trace, whose first
 request ends at about 0.4 s and whose second arrives at 2.0 s. Per round: b's prefill over a's (the same shape)
 and the mean of the first ten decode steps after b's prefill over the median of a's decode steps before it (the
@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.thread_placement import child_output, pick_settings  # noqa: E402
+
 SETTINGS = {
     "default": ({}, None),
     "active": ({"OMP_WAIT_POLICY": "active"}, None),

@@ -42,7 +42,7 @@ def test_simulator_within_ci_bounds_of_the_real_engine(fidelity_run, sim):
     err = e["summary"]["sim_error"]
     d = e["drift"]
     phases = " ".join(f"{ph} {d[ph]['small']:.3f}x/{d[ph]['large']:.3f}x" for ph in ("before", "after")
-                      if (d.get(ph) or {}).get("small") and (d.get(ph) or {}).get("large"))
+                      if None not in (d[ph].get("small"), d[ph].get("large")))
     print(f"\n{sim} {summary_line(err)}; drift {d['speed_ratio']:.3f}x (probes small/large: {phases or 'n/a'}; "
           f"applied {d['scale_small']:.3f}x/{d['scale_large']:.3f}x) "
           f"({fidelity_run['machine']['processor']}, {fidelity_run['machine']['cpu_capability']}, "

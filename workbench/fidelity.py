@@ -222,15 +222,13 @@ def twin_speed(cost_model, steps) -> dict:
 
 
 def speed_matched_errors(speed: dict, sim_summary: dict, sim_runs: list, real_summary: dict, real_runs: list,
-                         cost_model=None, real_steps: list | None = None) -> dict:
+                         cost_model, real_steps: list) -> dict:
     """``sim_error.speed_matched``: ``speed`` (:func:`twin_speed`) with the distribution and request errors of the
-    sim engine's run at that speed (``sim_summary``, ``sim_runs``: its per-seed outputs) against its twin, and,
-    given the ``cost_model`` at that speed and the twin's ``real_steps``, the step level at that speed
-    (:func:`step_errors`: the shapes' error with the machine's mean speed taken out)."""
-    out = {**speed, "dist": dist_errors(sim_summary, real_summary), "request": request_errors(sim_runs, real_runs)}
-    if cost_model is not None and real_steps is not None:
-        out["step"] = step_errors(cost_model, real_steps)
-    return out
+    sim engine's run at that speed (``sim_summary``, ``sim_runs``: its per-seed outputs) against its twin, and the
+    step level of ``cost_model`` (the one at that speed) on the twin's ``real_steps`` (:func:`step_errors`: the
+    shapes' error with the machine's mean speed taken out)."""
+    return {**speed, "dist": dist_errors(sim_summary, real_summary), "request": request_errors(sim_runs, real_runs),
+            "step": step_errors(cost_model, real_steps)}
 
 
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
@@ -255,7 +253,7 @@ def summary_line(err: dict) -> str:
     if rq.get("e2el_mape") is not None:
         floor = rq.get("noise_floor") or {}
         real = (f" (real repeats among themselves {floor['ttft_mape']:.1%} / {floor['e2el_mape']:.1%})"
-                if floor.get("e2el_mape") is not None and floor.get("ttft_mape") is not None else "")
+                if None not in (floor.get("ttft_mape"), floor.get("e2el_mape")) else "")
         parts.append(f"per-request MAPE TTFT {rq['ttft_mape']:.1%} E2EL {rq['e2el_mape']:.1%}{real}")
     spread = err.get("real_spread")
     if spread:

@@ -274,14 +274,16 @@ def _within(spread: dict | None) -> str:
 
 def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
     """The sim-vs-real error table (``summary.sim_error``, see ``workbench.fidelity``): one row per sim engine,
-    signed errors of the distribution, per-request MAPEs (and the real repeats' own, leave one out), the step level's per-shape medians and noise floor."""
+    signed errors of the distribution, per-request MAPEs (and the real repeats' own, leave one out), the step
+    level's per-shape medians (also at the twin's own speed) and noise floor."""
     def pct(x, signed=True):
         return "n/a" if x is None else (f"{x:+.1%}" if signed else f"{x:.1%}")
 
     headers = ["sim engine", "vs real engine", "output throughput", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99",
                "E2EL p50", "E2EL p99", "request TTFT MAPE", "request E2EL MAPE",
                "request E2EL MAPE among the real repeats", "step MAPE",
-               "step per-shape median MAPE", "the same at the twin's own speed", "step noise floor", "figures within the real repeats' range"]
+               "step per-shape median MAPE", "the same at the twin's own speed", "step noise floor",
+               "figures within the real repeats' range"]
     rows = []
     for n, e in results["engines"].items():
         err = e["summary"].get("sim_error")

@@ -367,7 +367,7 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: d
             summ = at_speed[0][0] if len(at_speed) == 1 else mean_summary([r[0] for r in at_speed])
             e["summary"]["sim_error"]["speed_matched"] = speed_matched_errors(
                 speed, summ, [r[1] for r in at_speed], engines[real]["summary"], [r[1] for r in runs],
-                cost_model=cm_at_speed, real_steps=[st for r in runs for st in r[2]])
+                cm_at_speed, [st for r in runs for st in r[2]])
 
 
 def _versions() -> dict:
