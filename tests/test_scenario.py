@@ -264,10 +264,10 @@ def test_scenario_hash_stable_and_sensitive(scen_dir):
 COMMITTED_HASHES = {
     # changed on purpose: sim engines default to cost_model auto (this machine's profile), ci-sim names the
     # committed builtin:ci-reference profile, prefix-sharing and chunked-prefill gained a static engine and its twin;
-    # prefix-sharing offers a load relative to its no-cache engine's capacity
+    # prefix-sharing offers a load relative to its no-cache engine's capacity; ci-fidelity sends every request at 0 s
     "scenarios/azure-code.yaml": "64ec2e6d6c2400c4",
     "scenarios/chunked-prefill.yaml": "de506d622d074c45",
-    "scenarios/ci-fidelity.yaml": "8ca445275077c090",
+    "scenarios/ci-fidelity.yaml": "f6e00498670b09b8",
     "scenarios/ci-real.yaml": "5b5166807eeb6a4d",
     "scenarios/ci-sim.yaml": "48cbf7ef2d9911f3",
     "scenarios/cluster-prefix.yaml": "8e7e3c6e2dc8c027",
