@@ -12,7 +12,10 @@ first two skipped). Settings:
 * ``default``: the process as ``workbench run`` starts it;
 * ``active``: ``OMP_WAIT_POLICY=active`` (idle OpenMP threads keep spinning);
 * ``bind``: ``OMP_PROC_BIND=close OMP_PLACES=cores`` (a thread pinned per core);
-* ``nogap``: default, with b arriving at 0.3 s, before a ends (no idle time).
+* ``nogap``: default, with b arriving at 0.3 s, before a ends (no idle time);
+* ``freemem``: ``WORKBENCH_KEEP_FREED_MEMORY=0``: glibc's allocator defaults, under which freed tensors' pages
+  go back to the kernel (``engines.real.allocator``), so a virtual machine with free page reporting
+  (virtio-balloon) can hand them to its host while the engine idles.
 
 Each setting runs in its own processes (OpenMP reads its settings at start), interleaved (A B C D A B C D ...).
 Prints one JSON line per round and, per setting, the mean and range of both ratios.
@@ -35,6 +38,7 @@ SETTINGS = {
     "active": ({"OMP_WAIT_POLICY": "active"}, None),
     "bind": ({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, None),
     "nogap": ({}, 0.3),
+    "freemem": ({"WORKBENCH_KEEP_FREED_MEMORY": "0"}, None),
 }
 
 

@@ -572,12 +572,18 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
 
 def machine_info() -> dict:
     """Where the run happened: platform, CPU model, logical CPUs, torch's CPU kernel level (``AVX2``,
-    ``AVX512``...) and its thread count; the figures of a run only mean something beside these."""
+    ``AVX512``...), its thread count and the C library allocator's setting (applied here if no real executor
+    has applied it yet: :func:`engines.real.allocator.keep_freed_memory`); the figures of a run only mean
+    something beside these."""
     import torch
+
+    from engines.real.allocator import allocator_setting, keep_freed_memory
+
+    keep_freed_memory()
 
     return {"platform": platform.platform(), "processor": cpu_name(), "cpus": os.cpu_count(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "isa": list(cpu_flags()),
-            "native_bf16": native_bf16(), "torch_threads": torch.get_num_threads()}
+            "native_bf16": native_bf16(), "torch_threads": torch.get_num_threads(), "allocator": allocator_setting()}
 
 
 def probe_load(scenario: Scenario, trace, model_dir: Path, model_cfg: ModelConfig, eos,

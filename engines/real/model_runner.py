@@ -18,6 +18,7 @@ import torch
 from engines.core.beam_search import num_candidates
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
+from engines.real.allocator import keep_freed_memory
 from engines.real.kv_cache import KVCache, SwapSpace
 from engines.real.model import AttentionMetadata, LlamaModel
 from engines.real.sampler import Sampler, process_logits, token_logprobs
@@ -41,6 +42,7 @@ class ModelExecutor:
         if draft_layers > model.cfg.num_hidden_layers:
             raise ValueError(f"speculative_model layers:{draft_layers}: the model has only "
                              f"{model.cfg.num_hidden_layers} layers")
+        keep_freed_memory()
         self.draft_layers = draft_layers
         self.model = model
         self.device = model.device

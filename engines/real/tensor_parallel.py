@@ -67,6 +67,7 @@ import torch
 
 from engines.core.config import ModelConfig
 from engines.core.scheduler import SchedulerOutput, StepResult
+from engines.real.allocator import keep_freed_memory
 from engines.real.kv_cache import KVCache, SwapSpace
 from engines.real.model import AttentionMetadata, LlamaModel, load_safetensors, resolve_device
 from engines.real.model_runner import ModelExecutor
@@ -361,6 +362,7 @@ def _worker_main(rank: int, tp: int, port: int, prefix: str, backend: str, model
     ``("error", one line)``)."""
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as rank 0's executor does (engines.real.allocator)
     try:
         import torch.distributed as dist
 
@@ -593,6 +595,7 @@ class TPModelExecutor(ModelExecutor):
                  step_delay_s: float = 0.0, num_cpu_blocks: int = 0, draft_layers: int = 0,
                  timeout_s: float | None = None, threads: int | None = None,
                  worker_model_dir: str | Path | None = None):
+        keep_freed_memory()
         model_dir = Path(model_dir)
         timeout_s = float(timeout_s or os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S)
         full_cfg = ModelConfig.from_dir(model_dir)
