@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+from engines.real.allocator import M_MMAP_MAX, M_TRIM_THRESHOLD  # noqa: E402 (after the path)
+
 GLIBC_DEFAULTS = {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 128 * 1024}  # malloc.h's DEFAULT_MMAP_MAX, DEFAULT_TRIM_THRESHOLD
 KEPT = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}  # engines.real.allocator.keep_freed_memory
 

@@ -1,5 +1,6 @@
 """The executor keeps the memory its steps free: a large tensor allocated again touches no new page."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ print(before, "|", allocator_setting(), "|", resource.getrusage(resource.RUSAGE_
 
 
 def run_child(tmp_path, keep: str) -> tuple[str, str, int]:
-    env = {**__import__("os").environ, "WORKBENCH_KEEP_FREED_MEMORY": keep}
+    env = {**os.environ, "WORKBENCH_KEEP_FREED_MEMORY": keep}
     out = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"),
                                                               tmp=str(tmp_path / keep))],
                          env=env, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]

@@ -5,21 +5,24 @@ PyTorch's CPU tensors come from the C library's ``malloc``. glibc serves a reque
 and it trims the top of its heap back to the kernel once more than the trim threshold (128 KiB, raised
 dynamically) lies free there. A prefill step's activations (for SmolLM2-135M, the ``[tokens, 3072]`` gate/up
 output is 126 MB at 10,240 tokens) are therefore mapped, zeroed page by page on first touch and unmapped again,
-layer after layer, step after step. Measured on a 2-core Intel Xeon (AVX-512) with the real executor, the same
-step alternately with and without this module's setting (medians of 8 runs each):
+layer after layer, step after step. Measured on a 2-core Intel Xeon (AVX-512) with the real executor by
+``python benchmarks/allocator_ab.py`` (the same step alternately with glibc's defaults and this module's setting,
+in one process; medians of 8 runs):
 
 ====================================  ==================  =====================  =====
 step                                  glibc default       memory kept            ratio
 ====================================  ==================  =====================  =====
-16 prompts of 640 tokens              13,398 ms, 2.56 M   11,390 ms, 0 faults    0.85
-4 prompts of 512 tokens               2,533 ms, 355 k     2,138 ms, 0 faults     0.84
-decode of 16 rows at context 512      76.2 ms, 0          72.6 ms, 0             0.95
+16 prompts of 640 tokens              12,934 ms, 2.56 M   10,549 ms, 0 faults    0.816
+4 prompts of 512 tokens               2,346 ms, 354 k     2,054 ms, 0 faults     0.876
+decode of 16 rows at context 512      69.6 ms, 0          71.4 ms, 0             1.025
+decode of 4 rows at context 128       33.9 ms, 0          34.2 ms, 0             1.010
 ====================================  ==================  =====================  =====
 
 (faults: minor page faults per step). The cost of a fault is not even the machine's own: in a virtual
 machine whose balloon reports free pages to its host, memory handed back while the engine waits is taken
-away by the host and must be backed again on the next touch, so a step's time depended on how long the
-engine had idled before it. With every allocation served from the heap and the heap never trimmed, the memory
+away by the host and must be backed again on the next touch, so what a fault costs depends on the host.
+(The slowdown of the first steps after an idle gap is not this: it stays with the memory kept, and a plain
+torch GEMV chain shows it too; ``benchmarks/idle_machine.py``.) With every allocation served from the heap and the heap never trimmed, the memory
 of the largest step stays mapped after its first runs (the process keeps its peak), and later steps of any
 shape touch no new page.
 """
