@@ -1,6 +1,7 @@
 """cost_model: auto and named profiles: the fingerprint decides which profile a sim engine may use, a missing
 profile is measured once (also by concurrent processes) and cached, and the run records which one it used."""
 
+import math
 import threading
 import warnings
 
@@ -251,3 +252,34 @@ def test_drift_rescales_only_what_the_probes_before_and_after_agree_on():
     assert d["before"]["large"] == pytest.approx(1.2) and d["after"]["large"] == pytest.approx(0.8)
     d = drift(cm, [run((1.0, 1.0), (1.3, 0.7))])
     assert not d["rescaled"] and d["scale_small"] == d["scale_large"] == 1.0 and not d["beyond_max"]
+
+
+def test_drift_takes_the_pilot_probes_of_the_runs_where_there_are_some():
+    """Pilot probes timed between the runs' own steps sample the phases of the machine the runs were in: a
+    class with pilots takes their speed ratio (beyond the margin), whatever the probes at the ends say; the
+    ratios of the ends stay as they were measured."""
+    from engines.sim.cost_model import step_features
+    from engines.sim.profiler import PILOT_PROBES, PROBE_GRID, grid_batch
+    from workbench.runner import DRIFT_MARGIN, drift, during_factor
+
+    assert during_factor(1.2) == 1.2 and during_factor(0.9) == 0.9 and during_factor(1 + DRIFT_MARGIN / 2) == 1.0
+    cm = CostModel({"const": 0.01, "tokens": 1e-3})
+    feats = [step_features(grid_batch(s, 16, 8192).seqs) for s in PROBE_GRID]
+    cm.probe_baseline = [{"probe": i, "seconds": 2 * cm.predict_exec(f)} for i, f in enumerate(feats)]
+    small, large = PILOT_PROBES
+    assert feats[small]["tokens"] <= 8 and feats[large]["tokens"] >= 32  # one pilot of each drift class
+
+    def probe(i, x, phase, at=None):
+        return {"probe": i, "features": feats[i], "seconds": x * cm.probe_baseline[i]["seconds"], "phase": phase,
+                **({"at": at} if at is not None else {})}
+
+    ends = [probe(i, 1.0 if ph == "before" else 0.8, ph) for ph in ("before", "after") for i in range(len(feats))]
+    during = [probe(small, x, "during", t) for t, x in enumerate((1.15, 1.25, 1.2))]
+    during += [probe(large, x, "during", t) for t, x in enumerate((0.9, 1.1, 1.0 + DRIFT_MARGIN / 4))]
+    d = drift(cm, [{"gemm_gflops": 100.0, "steps": ends + during}])
+    assert d["n_pilots"] == 6 and d["during"]["small"] == pytest.approx(1.2, rel=2e-3)
+    assert d["scale_small"] == pytest.approx(d["during"]["small"]) and d["rescaled"]
+    assert d["scale_large"] == 1.0  # the large pilots' ratio is within the margin (0.9 x 1.1 x 1.0025)
+    assert d["before"]["small"] == pytest.approx(1.0) and d["after"]["large"] == pytest.approx(0.8)
+    assert d["speed_ratio"] == pytest.approx(math.sqrt(0.8))  # the ends' probes only
+    assert [p["at"] for p in d["probes"][0]["steps"] if p["phase"] == "during"] == [0, 1, 2, 0, 1, 2]

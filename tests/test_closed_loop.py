@@ -285,3 +285,34 @@ def test_failed_step_returns_held_static_answers():
     outs = {o.request_id: o for o in _fail_all(engine, "boom")}
     assert outs["a"].finish_reason == "length" and outs["b"].finish_reason == "failed"
     assert not engine.has_unfinished()
+
+
+def test_pilot_probes_run_between_busy_steps_with_the_replay_clock_stopped(tiny_llm):
+    """Pilot probes (machine drift measured during a run) run after steps that computed something, on the KV
+    cache's scratch block only, and the replay clock does not count them: the requests' tokens are those of a
+    run without them, and the run's times add up to its steps, not to its wall time."""
+    import time
+
+    from engines.sim.profiler import PILOT_PROBES, PilotProbe
+
+    class SlowPilot(PilotProbe):  # 20 ms more per pilot, so that a clock that counted them would show it
+        def __call__(self, at):
+            super().__call__(at)
+            time.sleep(0.02)
+
+    eng = tiny_llm.engine
+    plain = {o.request_id: o.token_ids for o in replay_realtime(eng, make_reqs(6), max_concurrency=3)}
+    pilot = SlowPilot(eng.executor, every_s=0.0)
+    n0, t0 = len(eng.steps), time.perf_counter()
+    outs = replay_realtime(eng, make_reqs(6), max_concurrency=3, pilot=pilot)
+    wall = time.perf_counter() - t0
+    steps = eng.steps[n0:]
+    assert {o.request_id: o.token_ids for o in outs} == plain  # the pool's blocks are left as they were
+    busy = sum(1 for s in steps if s.num_seqs)
+    assert busy > 5 and len(pilot.records) == len(PILOT_PROBES) * busy  # after each busy step (every_s 0)
+    assert {r["phase"] for r in pilot.records} == {"during"} and {r["probe"] for r in pilot.records} == set(PILOT_PROBES)
+    ats = [r["at"] for r in pilot.records]
+    assert ats == sorted(ats) and ats[0] >= 0
+    end = max(o.finished_time for o in outs)
+    assert wall - end >= 0.02 * busy  # the pilots' time is in the wall time ...
+    assert end <= sum(s.duration + s.overhead for s in steps) + 0.01 * busy  # ... and not on the replay clock

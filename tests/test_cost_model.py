@@ -257,6 +257,46 @@ def test_cheap_grid_steps_get_more_runs():
     assert sorted(ex.calls.values()) == [4, 4]
 
 
+def test_pilot_probes_take_the_machines_phases_out_of_the_profile(monkeypatch):
+    """A machine that runs 1.5x slower in the middle third of every pass: a grid step's median of three runs
+    lands in the slow phase or not by chance, while divided by the speed the pilot probes saw around each run
+    every step comes out at the same multiple of its own cost (the machine's mean speed over the profile)."""
+    from types import SimpleNamespace
+
+    from engines.sim import profiler
+    from engines.sim.profiler import PILOT_PROBES, PilotProbe, profile_rows
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock.now)
+    grid = [GridStep(r, 64) for r in range(1, 13)]  # 12 decode steps of 1-12 rows
+    period = 3.0  # seconds: a slow second after two fast ones, while a timed run and its pilots take 0.13-0.16 s
+
+    def cost(out):  # seconds at full speed: 0.04 + 2.5 ms per row
+        return 0.04 + 0.0025 * len(out.seqs)
+
+    class PhasedExecutor:
+        kv = SimpleNamespace(block_size=16, num_blocks=256)
+
+        def execute(self, out):
+            slow = period / 3 <= clock.now % period < 2 * period / 3
+            clock.now += cost(out) * (1.5 if slow else 1.0)
+
+    ex = PhasedExecutor()
+    raw = profile_rows(ex, grid, repeats=3)
+    pilot = PilotProbe(ex, every_s=0.0)  # after every timed run
+    steady = profile_rows(ex, grid, repeats=3, pilot=pilot)
+    assert {r["probe"] for r in pilot.records} == set(PILOT_PROBES) and len(pilot.records) == 2 * 3 * len(grid)
+    base = [cost(grid_batch(g, 16, 256)) for g in grid]
+    raw_ratio = [t / b for (_, t, _), b in zip(raw, base)]
+    steady_ratio = [t / b for (_, t, _), b in zip(steady, base)]
+    assert max(raw_ratio) / min(raw_ratio) > 1.4  # some medians in the slow phase, some not
+    m = statistics.median(steady_ratio)
+    assert 1.0 < m < 1.5  # the machine's mean speed over the passes
+    # a run next to a change of phase has one pilot of each phase around it: a few are off, never by much
+    assert sum(abs(x / m - 1) < 0.01 for x in steady_ratio) >= 9 and max(steady_ratio) / min(steady_ratio) < 1.1
+    assert max(cv for *_, cv in steady) > 0.1  # the spread stays that of the raw timings, phases and all
+
+
 def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_class():
     """The speed of the twin's own steps is taken against the profile without its drift factors: small steps
     (at most ``SCALE_SMALL_TOKENS`` tokens) and large ones (at least ``SCALE_LARGE_TOKENS``) apart, steps

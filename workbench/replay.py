@@ -38,6 +38,12 @@ class _RelativeClock:
     def __call__(self) -> float:
         return time.perf_counter() - self.t0
 
+    def stopped_for(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` with the clock stopped: the seconds it takes do not count."""
+        t = time.perf_counter()
+        fn()
+        self.t0 += time.perf_counter() - t
+
 
 class _Users:
     """``limit`` closed-loop users of a real-time replay; each free user remembers when it became free
@@ -66,7 +72,7 @@ class _Users:
 
 def replay_realtime(engine: LLMEngine, requests: list[Request],
                     on_output: Callable[[RequestOutput], None] | None = None,
-                    max_concurrency: int | None = None) -> list[RequestOutput]:
+                    max_concurrency: int | None = None, pilot=None) -> list[RequestOutput]:
     """Feed each request at its ``arrival_time`` (seconds from now, wall clock) and step the engine
     until all have ended. A step that raises fails every unfinished request (status FAILED, with the
     error as reason) instead of losing them. Returns one output per request.
@@ -74,6 +80,10 @@ def replay_realtime(engine: LLMEngine, requests: list[Request],
     ``max_concurrency`` (requests): closed-loop users: at most that many requests in the engine at once
     (added and not yet ended); a request is added at max(its arrival time, when a user's previous request
     ended), and that moment becomes its ``arrival_time``. A rejected request ends at once.
+
+    ``pilot``: an ``engines.sim.profiler.PilotProbe``, run after a step that computed something once it is
+    ``due()``, with the replay clock stopped (the run's times do not count it); never while the engine idles,
+    which would change what the machine does in an idle gap.
 
     Raises:
         ValueError: ``max_concurrency`` < 1.
@@ -87,14 +97,14 @@ def replay_realtime(engine: LLMEngine, requests: list[Request],
     gc.freeze()
     engine.clock = _RelativeClock()  # time 0 is when the first step can run, as on the simulator's clock
     try:
-        _replay_loop(engine, pending, outputs, on_output, users)
+        _replay_loop(engine, pending, outputs, on_output, users, pilot)
     finally:
         gc.unfreeze()
     return outputs
 
 
 def _replay_loop(engine: LLMEngine, pending: deque, outputs: list[RequestOutput],
-                 on_output: Callable[[RequestOutput], None] | None, users: _Users) -> None:
+                 on_output: Callable[[RequestOutput], None] | None, users: _Users, pilot=None) -> None:
 
     def emit(outs):
         for o in outs:
@@ -123,6 +133,8 @@ def _replay_loop(engine: LLMEngine, pending: deque, outputs: list[RequestOutput]
                 break
             if engine.steps and engine.steps[-1].num_seqs == 0 and pending and users.available():
                 time.sleep(max(0.0, pending[0].arrival_time - engine.clock()))
+            elif pilot is not None and engine.steps and engine.steps[-1].num_seqs and pilot.due():
+                engine.clock.stopped_for(lambda: pilot(engine.clock()))
         elif pending:
             time.sleep(max(0.0, pending[0].arrival_time - engine.clock()))
 

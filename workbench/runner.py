@@ -160,8 +160,8 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     """Replay the trace on one engine; returns ``(outputs, steps)``. For a real engine, ``runtime`` (if
     given) gets where it ran: ``device`` (e.g. ``cpu``, ``cuda:0``), ``device_name`` and ``attention``
     (the kernels picked: ``cpp``, ``torch`` or ``triton``), and with ``probe`` the machine probes timed just
-    before and just after the replay: ``probe: {gemm_gflops, steps}`` (``engines.sim.profiler.gemm_probe``,
-    ``speed_probe``).
+    before and just after the replay and the pilot probes between its steps (the replay clock stopped):
+    ``probe: {gemm_gflops, steps}`` (``engines.sim.profiler.gemm_probe``, ``speed_probe``, ``PilotProbe``).
     ``cost_model``: a sim engine's measured cost model (default: :func:`load_cost_model`).
     ``trace.max_concurrency`` (closed-loop users) applies to every kind.
     A kind openai engine with a ``launch`` block has its server started first (``workbench.launch``): in
@@ -209,14 +209,16 @@ def run_engine(scenario: Scenario, spec: EngineSpec, model_dir: Path, model_cfg:
     if runtime is not None:
         runtime.update(engine_runtime(engine))
     try:
+        pilot = None
         if probe and runtime is not None:  # before warm_up: the probe's steps write KV blocks no request holds
-            from engines.sim.profiler import gemm_probe, speed_probe
+            from engines.sim.profiler import PilotProbe, gemm_probe, speed_probe
 
             runtime["probe"] = {"gemm_gflops": gemm_probe(), "steps": speed_probe(engine.executor, phase="before")}
+            pilot = PilotProbe(engine.executor)
         warm_up(engine)
-        outs = replay_realtime(engine, requests, on_output, max_concurrency=users)
-        if probe and runtime is not None:  # and after it (the engine is done with its KV blocks)
-            runtime["probe"]["steps"] += speed_probe(engine.executor, phase="after")
+        outs = replay_realtime(engine, requests, on_output, max_concurrency=users, pilot=pilot)
+        if pilot is not None:  # and after it (the engine is done with its KV blocks)
+            runtime["probe"]["steps"] += pilot.records + speed_probe(engine.executor, phase="after")
         return outs, engine.steps
     finally:
         del engine
@@ -298,6 +300,14 @@ def agreed_factor(before: float | None, after: float | None, overall: float | No
     return 1.0
 
 
+def during_factor(during: float) -> float:
+    """The drift factor of one class of probe steps from the pilot probes timed between the real runs' own
+    steps (``engines.sim.profiler.PilotProbe``): their speed ratio where it is beyond :data:`DRIFT_MARGIN`,
+    else 1. They sample the phases of the machine the runs were in, which probes at the two ends of a run can
+    both miss."""
+    return during if abs(during - 1.0) > DRIFT_MARGIN else 1.0
+
+
 def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     """``drift`` of a sim engine's profile against machine probes (``source``: the real engine whose runs
     they came before and after, the sim engine's twin when it has one): ``speed_ratio`` = geometric mean of
@@ -305,21 +315,25 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     step, ``reference: baseline``, else its prediction) over every probe step of those runs, and the same
     over the small (memory-bound) and the large (compute-bound) probe steps apart (``speed_ratio_small``,
     ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``), and each apart for the probes ``before``
-    and ``after`` the runs. The factors applied (``scale_small``, ``scale_large``) are those that the probes
-    before and after agree on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
+    and ``after`` the runs, and ``during`` them (the pilot probes between the runs' own steps; ``n_pilots``
+    timings; not in the three ratios above). The factors applied (``scale_small``, ``scale_large``) are, for a
+    class with pilot probes, theirs (:func:`during_factor`), else those that the probes before and after agree
+    on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
     beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is
     left as it is and the run says so)."""
     from engines.sim.profiler import probe_reference, probe_ratios
 
     steps = [p for run in probes for p in run["steps"]]
-    r = probe_ratios(cm, steps)
-    phases = {ph: probe_ratios(cm, [p for p in steps if p.get("phase") == ph]) for ph in ("before", "after")}
-    scale = {c: agreed_factor(phases["before"][c], phases["after"][c], r[c]) for c in ("small", "large")}
-    parts = [x for x in (r["small"], r["large"]) if x is not None]
+    r = probe_ratios(cm, [p for p in steps if p.get("phase") != "during"])
+    phases = {ph: probe_ratios(cm, [p for p in steps if p.get("phase") == ph]) for ph in ("before", "after", "during")}
+    scale = {c: during_factor(phases["during"][c]) if phases["during"][c] is not None
+             else agreed_factor(phases["before"][c], phases["after"][c], r[c]) for c in ("small", "large")}
+    parts = [x for x in (r["small"], r["large"], phases["during"]["small"], phases["during"]["large"]) if x is not None]
     beyond = any(not 1 / DRIFT_MAX <= x <= DRIFT_MAX for x in parts)
     rescaled = any(f != 1.0 for f in scale.values()) and not beyond
     return {"speed_ratio": r["all"], "speed_ratio_small": r["small"], "speed_ratio_large": r["large"],
-            "before": phases["before"], "after": phases["after"],
+            "before": phases["before"], "after": phases["after"], "during": phases["during"],
+            "n_pilots": sum(p.get("phase") == "during" for p in steps),
             "scale_small": scale["small"] if rescaled else 1.0, "scale_large": scale["large"] if rescaled else 1.0,
             "reference": "baseline" if cm.probe_baseline else "prediction",
             "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled, "probes_of": source,
@@ -327,6 +341,7 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
             "probes": [{"gemm_gflops": run["gemm_gflops"],
                         "steps": [{"features": {k: v for k, v in p["features"].items() if v and k != "const"},
                                    "phase": p.get("phase", ""), "seconds": p["seconds"],
+                                   **({"at": p["at"]} if "at" in p else {}),
                                    "reference": probe_reference(cm, p), "predicted": cm.predict_exec(p["features"])}
                                   for p in run["steps"]]} for run in probes]}
 

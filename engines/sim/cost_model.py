@@ -48,7 +48,7 @@ from engines.core.row_buckets import gemm_rows
 from engines.core.step_shape import StepShape
 
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
-PROFILE_FORMAT = 8  # the measured features, grid and repeats; a profile cached under another format is measured anew
+PROFILE_FORMAT = 9  # the measured features, grid and repeats; a profile cached under another format is measured anew
 # linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
 TABLE_FEATURES = ("rows", "live_ctx", "scattered_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx",
                   "sampled")
@@ -85,6 +85,17 @@ def linear_terms(coef: dict[str, float], f: dict[str, float], names: tuple[str, 
 # 1.07-1.12x while the 48-row probe read 0.90-1.05x.
 SCALE_SMALL_TOKENS = 8  # drift: steps up to this many tokens take ``speed_scale`` (memory-bound)
 SCALE_LARGE_TOKENS = 32  # ... and steps from this many on ``speed_scale_large`` (compute-bound)
+
+
+def class_mix(tokens: float, small: float, large: float) -> float:
+    """A drift factor for a step of ``tokens`` tokens from the factors of the two drift classes: ``small`` up to
+    ``SCALE_SMALL_TOKENS``, ``large`` from ``SCALE_LARGE_TOKENS``, linear in log(tokens) between."""
+    if tokens <= SCALE_SMALL_TOKENS:
+        return small
+    if tokens >= SCALE_LARGE_TOKENS:
+        return large
+    w = math.log(tokens / SCALE_SMALL_TOKENS) / math.log(SCALE_LARGE_TOKENS / SCALE_SMALL_TOKENS)
+    return small + w * (large - small)
 
 
 @dataclass
@@ -136,12 +147,7 @@ class CostModel:
     def scale(self, tokens: float) -> float:
         """The drift factor of a step of ``tokens`` tokens (see ``speed_scale_large``)."""
         big = self.speed_scale_large
-        if big is None or tokens <= SCALE_SMALL_TOKENS:
-            return self.speed_scale
-        if tokens >= SCALE_LARGE_TOKENS:
-            return big
-        w = math.log(tokens / SCALE_SMALL_TOKENS) / math.log(SCALE_LARGE_TOKENS / SCALE_SMALL_TOKENS)
-        return self.speed_scale + w * (big - self.speed_scale)
+        return self.speed_scale if big is None else class_mix(tokens, self.speed_scale, big)
 
     def predict_exec(self, f: dict[str, float]) -> float:
         """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""

@@ -10,6 +10,7 @@ updates) by running the real paged scheduler with a null executor.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,20 +19,22 @@ from typing import Callable
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
-from engines.sim.cost_model import TABLE_FEATURES, CostModel, hat_weights, relative_nnls, step_features
+from engines.sim.cost_model import TABLE_FEATURES, CostModel, class_mix, hat_weights, relative_nnls, step_features
 
 
 @dataclass(frozen=True)
 class GridStep:
     """One profiled step: ``decode_rows`` live decode rows and ``padding_rows`` static padding rows at
     context ``ctx`` (tokens), plus prefill chunks ``(tokens, cached tokens before it)``; blocks scattered over the
-    pool, or each sequence's blocks consecutive (``contiguous``)."""
+    pool, or each sequence's blocks consecutive (``contiguous``), or every block the KV cache's scratch block
+    (``scratch``: a step that can run while requests hold the pool's blocks, as a pilot probe does)."""
 
     decode_rows: int = 0
     ctx: int = 0
     prefills: tuple[tuple[int, int], ...] = ()
     padding_rows: int = 0
     contiguous: bool = False
+    scratch: bool = False
 
     @property
     def kv_tokens(self) -> int:
@@ -104,7 +107,11 @@ def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOut
     sampled, padding rows on ``PAD_BLOCK`` (the executor's scratch block). Blocks are taken in a fixed shuffled
     order of the pool (seed 0), as a running engine's free queue hands them out once requests have come and
     gone: scattered KV reads cost measurably more than contiguous ones (5-10% on a decode batch of 8-32 rows,
-    measured on a 2-core AVX-512 CPU). ``step.contiguous``: the pool in order (a fresh engine's first requests)."""
+    measured on a 2-core AVX-512 CPU). ``step.contiguous``: the pool in order (a fresh engine's first requests).
+    ``step.scratch``: every block is the scratch block after the pool (id ``num_blocks``:
+    ``engines.real.kv_cache.KVCache.scratch_block``, where padding rows write), so the step writes no block of the
+    pool; its attention then reads one block over and over, which costs little next to the GEMMs at the pilot
+    probes' short contexts."""
     import random
 
     sp = SamplingParams(max_tokens=1, temperature=0)
@@ -116,6 +123,8 @@ def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOut
     def blocks(n_tokens):
         nonlocal nxt
         nb = -(-n_tokens // block_size)
+        if step.scratch:
+            return [num_blocks] * nb
         ids = [order[(nxt + i) % num_blocks] for i in range(nb)]
         nxt += nb
         return ids
@@ -138,7 +147,7 @@ CHEAP_REPEATS = 9
 
 def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
                  progress: Callable[[], None] | None = None, cheap_repeats: int | None = None,
-                 cheap_s: float = CHEAP_STEP_S) -> list[tuple[dict, float, float]]:
+                 cheap_s: float = CHEAP_STEP_S, pilot: "PilotProbe | None" = None) -> list[tuple[dict, float, float]]:
     """Time ``executor`` on every grid step; returns ``(features, median seconds, relative spread)`` rows.
 
     The grid is timed in ``repeats`` passes, each over every step in its own shuffled order (seeded), one timed
@@ -147,7 +156,11 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
     runs of a few steps, and the median across passes discards it. With ``cheap_repeats``, steps whose median
     is under ``cheap_s`` seconds (decode batches, small mixed steps: each pins one knot of the body table,
     and a median of 3 runs of a 2-core machine was off by up to 15% from one profile to the next) get
-    further shuffled passes up to that many runs, for little time.
+    further shuffled passes up to that many runs, for little time. ``pilot``: run between the grid's steps
+    whenever it is due, as between a real run's steps (its records are the profile's pilot baseline); each
+    timing is then divided by the machine's speed at its time against the mean over the passes
+    (``PilotProbe.speed_at``) before the median is taken, so a step whose few runs fell in a slow or fast phase
+    of the machine does not bend the fit there (the relative spread stays that of the raw timings).
 
     Raises:
         ValueError: the KV pool is too small for the largest grid step.
@@ -160,28 +173,37 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
         raise ValueError(f"profile grid needs {need} KV blocks, the pool has {nb}")
     batches = [grid_batch(step, bs, nb) for step in grid]
     times: list[list[float]] = [[] for _ in grid]
+    mids: list[list[float]] = [[] for _ in grid]  # when each timed run was halfway (perf_counter seconds)
+
+    def timed(i):
+        t0 = time.perf_counter()
+        executor.execute(batches[i])
+        t1 = time.perf_counter()
+        times[i].append(t1 - t0)
+        mids[i].append((t0 + t1) / 2)
+        if pilot is not None and pilot.due():
+            pilot(time.perf_counter())
+
     for rep in range(repeats):
         order = list(range(len(grid)))
         random.Random(rep).shuffle(order)
         for i in order:
             if rep == 0:
                 executor.execute(batches[i])  # warm-up: first-call allocations of this shape
-            t0 = time.perf_counter()
-            executor.execute(batches[i])
-            times[i].append(time.perf_counter() - t0)
+            timed(i)
             if progress and rep == repeats - 1:
                 progress()
     cheap = [i for i, ts in enumerate(times) if statistics.median(ts) < cheap_s]
     for rep in range(repeats, cheap_repeats or 0):
         random.Random(rep).shuffle(cheap)
         for i in cheap:
-            t0 = time.perf_counter()
-            executor.execute(batches[i])
-            times[i].append(time.perf_counter() - t0)
+            timed(i)
     rows = []
-    for b, ts in zip(batches, times):
+    for b, ts, ms in zip(batches, times, mids):
+        f = step_features(b.seqs)
         cv = statistics.stdev(ts) / statistics.fmean(ts) if len(ts) > 1 else 0.0
-        rows.append((step_features(b.seqs), statistics.median(ts), cv))
+        steady = [t / pilot.speed_at(m, f["tokens"]) for t, m in zip(ts, ms)] if pilot is not None else ts
+        rows.append((f, statistics.median(steady), cv))
     return rows
 
 
@@ -301,8 +323,12 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 
     lm_table = lm_head_table(executor.model, repeats, progress=tick)
     # the drift probes are timed in the same shuffled passes as the grid, so that their baseline and the fit
-    # see the same phases of the machine; they are not fitted
-    rows = profile_rows(executor, grid + probes, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS)
+    # see the same phases of the machine; they are not fitted. The pilot probes are run between the grid's
+    # steps as between a real run's, and their baseline is the geometric mean of all those timings: the
+    # machine's mean speed over the time the fit was measured (a median of 3 runs of one step was up to 25%
+    # off it), which the pilots between a run's steps are set against
+    pilot = PilotProbe(executor)
+    rows = profile_rows(executor, grid + probes, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS, pilot=pilot)
     rows, probe_rows = rows[:len(grid)], rows[len(grid):]
     overhead = engine_overhead()
     tick()
@@ -315,6 +341,11 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     fit_errs = [abs(e) for e in relative_errors(cm, rows)]
     cm.overhead = overhead
     cm.probe_baseline = [{"probe": i, "seconds": t} for i, (_, t, _) in enumerate(probe_rows)]
+    for i in PILOT_PROBES:
+        ts = [r["seconds"] for r in pilot.records if r["probe"] == i]
+        if ts:
+            cm.probe_baseline[i] = {"probe": i, "seconds": math.exp(statistics.fmean(math.log(t) for t in ts)),
+                                    "samples": len(ts)}
     cm.noise_cv = statistics.median(r[2] for r in rows)
     cm.fit_error = {"fit_mean_abs_rel": statistics.fmean(fit_errs), "fit_max_abs_rel": max(fit_errs),
                     "holdout_mean_abs_rel": statistics.fmean(held_errs), "holdout_max_abs_rel": max(held_errs),
@@ -327,9 +358,16 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 
 # fixed probe steps timed before and after each real engine run (machine drift against the profile): decode
 # batches from 1 to 48 rows, two prefills (128 and 384 tokens: the compute-bound regime, whose drift can differ
-# from the decodes') and a mixed step; about 5 s on a 2-core CPU
+# from the decodes') and a mixed step; about 5 s on a 2-core CPU. The last two are the pilot probes
+# (PILOT_PROBES), timed once each between the run's own steps too (PilotProbe); they are on the scratch block,
+# so they can run while requests hold the pool's blocks.
 PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48, 128), GridStep(prefills=((128, 0),)),
-              GridStep(8, 256, ((64, 0),)), GridStep(prefills=((384, 0),)))
+              GridStep(8, 256, ((64, 0),)), GridStep(prefills=((384, 0),)),
+              GridStep(4, 64, scratch=True), GridStep(prefills=((128, 0),), scratch=True))
+PILOT_PROBES = (7, 8)  # indices in PROBE_GRID: a 4-row decode (a small step) and a 128-token prefill (a large one)
+# seconds of the engine's own running between two pilot probes: a pair takes about 0.2 s on a 2-core CPU, so
+# about a tenth of the run's wall time, which the replay clock does not count
+PILOT_EVERY_S = 2.0
 
 
 def speed_probe(executor, repeats: int = 3, phase: str = "") -> list[dict]:
@@ -342,6 +380,57 @@ def speed_probe(executor, repeats: int = 3, phase: str = "") -> list[dict]:
         return []
     rows = profile_rows(executor, [PROBE_GRID[i] for i in idx], repeats)
     return [{"probe": i, "features": f, "seconds": t, "phase": phase} for i, (f, t, _) in zip(idx, rows)]
+
+
+class PilotProbe:
+    """Pilot probes: the :data:`PILOT_PROBES` steps of :data:`PROBE_GRID`, each run once and timed, between a real
+    engine's own steps during a replay (``workbench.replay.replay_realtime`` stops its clock meanwhile, so the
+    run's latencies do not count them). A 2-core VM's speed swings by 20-30% within a minute in phases of tens of
+    seconds (measured: the same five steps timed in 15 interleaved rounds of 5 s ran 0.76-0.89x their median in
+    one stretch of 40 s and 1.06-1.42x in the next, every shape moving together: correlation 0.67-0.93), so
+    probes only before and after a run of 15 s can both miss the phase the run was in. :func:`profile` runs them
+    between its grid steps in the same way, and their baseline is the mean over that time, so a run's pilots
+    and the profile's are alike: single runs interleaved with other steps, spread over the whole time.
+    ``records``: the timings, as :func:`speed_probe`'s with ``phase: "during"`` and ``at`` (seconds on the
+    engine's clock)."""
+
+    def __init__(self, executor, every_s: float = PILOT_EVERY_S) -> None:
+        bs, nb = executor.kv.block_size, executor.kv.num_blocks
+        self.executor, self.every_s = executor, every_s
+        self.batches = [(i, grid_batch(PROBE_GRID[i], bs, nb)) for i in PILOT_PROBES]
+        self.features = [step_features(b.seqs) for _, b in self.batches]
+        self.records: list[dict] = []
+        self._last = time.perf_counter()
+
+    def speed_at(self, t: float, tokens: float) -> float:
+        """The machine's speed at time ``t`` (the clock of the records' ``at``) against its mean over all the
+        records, for a step of ``tokens`` tokens: per pilot, the geometric mean of its timings nearest before and
+        after ``t`` over the geometric mean of all its timings; the small pilot's and the large one's mixed by
+        drift class (``engines.sim.cost_model.class_mix``). 1 while a pilot has fewer than two timings."""
+        import bisect
+
+        f = []
+        for i in PILOT_PROBES:
+            rec = sorted((r["at"], math.log(r["seconds"])) for r in self.records if r["probe"] == i)
+            if len(rec) < 2:
+                return 1.0
+            k = bisect.bisect_left([a for a, _ in rec], t)
+            near = rec[max(0, k - 1):k + 1]
+            f.append(math.exp(statistics.fmean(x for _, x in near) - statistics.fmean(x for _, x in rec)))
+        return class_mix(tokens, f[0], f[1])
+
+    def due(self) -> bool:
+        """Whether ``every_s`` seconds of wall time have passed since the last pilot (or since construction)."""
+        return time.perf_counter() - self._last >= self.every_s
+
+    def __call__(self, at: float) -> None:
+        """Run and time each pilot step once; ``at``: the engine's clock now (seconds)."""
+        for (i, batch), f in zip(self.batches, self.features):
+            t0 = time.perf_counter()
+            self.executor.execute(batch)
+            self.records.append({"probe": i, "features": f,
+                                 "seconds": time.perf_counter() - t0, "phase": "during", "at": at})
+        self._last = time.perf_counter()
 
 
 def probe_reference(cost_model: CostModel, probe: dict) -> float:
