@@ -283,3 +283,20 @@ def test_drift_takes_the_pilot_probes_of_the_runs_where_there_are_some():
     assert d["before"]["small"] == pytest.approx(1.0) and d["after"]["large"] == pytest.approx(0.8)
     assert d["speed_ratio"] == pytest.approx(math.sqrt(0.8))  # the ends' probes only
     assert [p["at"] for p in d["probes"][0]["steps"] if p["phase"] == "during"] == [0, 1, 2, 0, 1, 2]
+
+
+def test_the_drift_line_names_the_pilots_and_what_was_done():
+    from workbench.commands.run import drift_line
+
+    d = {"speed_ratio": 0.8, "speed_ratio_small": 0.844, "speed_ratio_large": 0.777, "reference": "baseline",
+         "before": {"all": 0.81, "small": 0.845, "large": 0.789}, "after": {"all": 0.79, "small": 0.843, "large": 0.764},
+         "during": {"all": 0.83, "small": 0.857, "large": 0.821}, "n_pilots": 96, "rescaled": True,
+         "scale_small": 0.857, "scale_large": 0.821, "margin": 0.01, "max": 1.5, "beyond_max": False}
+    line = drift_line("sim-paged", d)
+    assert line.startswith("sim sim-paged profile drift: probe steps at 0.800x its own timing of them")
+    assert "before the runs 0.845x / 0.789x, after 0.843x / 0.764x; 96 pilot probes during them 0.857x / 0.821x" in line
+    assert line.endswith("(rescaled by 0.857x small, 0.821x large steps)")
+    quiet = dict(d, rescaled=False, during={"all": 1.0, "small": 1.005, "large": 0.996})
+    assert drift_line("s", quiet).endswith("(not rescaled: the pilot probes are within 1%)")
+    assert drift_line("s", dict(quiet, n_pilots=0)).endswith("(not rescaled: before and after do not agree beyond 1%)")
+    assert "pilot" not in drift_line("s", dict(quiet, n_pilots=0))

@@ -74,7 +74,6 @@ def print_summary(name: str, results: dict) -> None:
         print(line)
     if results.get("cluster"):
         print_cluster(results)
-    from engines.sim.cost_model import SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS
     from workbench.fidelity import summary_line
 
     for n, e in results["engines"].items():
@@ -83,32 +82,44 @@ def print_summary(name: str, results: dict) -> None:
             print(f"sim {n} {summary_line(err)}")
         d = e.get("drift")
         if d and d.get("speed_ratio") is not None:
-            how = (f"rescaled by {d.get('scale_small', 1.0):.3f}x small, {d.get('scale_large', 1.0):.3f}x large steps"
-                   if d["rescaled"] else
-                   f"not rescaled: beyond {d['max']:g}x, the profile does not describe this machine"
-                   if d.get("beyond_max") else
-                   f"not rescaled: before and after do not agree beyond {d['margin']:.0%}")
-            parts = ""
-            small, large = d.get("speed_ratio_small"), d.get("speed_ratio_large")
-            if small is not None and large is not None:
-                parts = (f" (small probes, {SCALE_SMALL_TOKENS} tokens or fewer, {small:.3f}x; large ones, "
-                         f"{SCALE_LARGE_TOKENS} or more, {large:.3f}x")
-                b, a = d.get("before") or {}, d.get("after") or {}
-
-                def x(v):
-                    return "n/a" if v is None else f"{v:.3f}x"
-
-                if b.get("all") is not None and a.get("all") is not None:
-                    parts += (f"; before the runs {x(b['small'])} / {x(b['large'])}, "
-                              f"after {x(a['small'])} / {x(a['large'])}")
-                parts += ")"
-            ref = "its own timing of them" if d.get("reference") == "baseline" else "its predictions"
-            print(f"sim {n} profile drift: probe steps at {d['speed_ratio']:.3f}x {ref}{parts} ({how})")
+            print(drift_line(n, d))
     errs = [abs(v) for e in results["engines"].values() for v in
             [((e["summary"].get("sim_error") or {}).get("dist") or {}).get("output_throughput")] if v is not None]
     if any(v > SIM_ERROR_NOTE for v in errs):
         print(f"note: a simulator's output throughput is more than {SIM_ERROR_NOTE:.0%} off its real engine; "
               "if it names a profile of another machine, use cost_model: auto (this machine's profile)")
+
+
+def drift_line(name: str, d: dict) -> str:
+    """One line on sim engine ``name``'s ``drift`` (``workbench.runner.drift``): the probes' speed against the
+    profile, per class, before and after the runs and from the pilot probes during them, and what was done."""
+    from engines.sim.cost_model import SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS
+
+    def x(v):
+        return "n/a" if v is None else f"{v:.3f}x"
+
+    if d["rescaled"]:
+        how = f"rescaled by {d.get('scale_small', 1.0):.3f}x small, {d.get('scale_large', 1.0):.3f}x large steps"
+    elif d.get("beyond_max"):
+        how = f"not rescaled: beyond {d['max']:g}x, the profile does not describe this machine"
+    elif d.get("n_pilots"):
+        how = f"not rescaled: the pilot probes are within {d['margin']:.0%}"
+    else:
+        how = f"not rescaled: before and after do not agree beyond {d['margin']:.0%}"
+    parts = ""
+    small, large = d.get("speed_ratio_small"), d.get("speed_ratio_large")
+    if small is not None and large is not None:
+        parts = (f" (small probes, {SCALE_SMALL_TOKENS} tokens or fewer, {small:.3f}x; large ones, "
+                 f"{SCALE_LARGE_TOKENS} or more, {large:.3f}x")
+        b, a = d.get("before") or {}, d.get("after") or {}
+        if b.get("all") is not None and a.get("all") is not None:
+            parts += f"; before the runs {x(b['small'])} / {x(b['large'])}, after {x(a['small'])} / {x(a['large'])}"
+        du = d.get("during") or {}
+        if d.get("n_pilots"):
+            parts += f"; {d['n_pilots']} pilot probes during them {x(du.get('small'))} / {x(du.get('large'))}"
+        parts += ")"
+    ref = "its own timing of them" if d.get("reference") == "baseline" else "its predictions"
+    return f"sim {name} profile drift: probe steps at {d['speed_ratio']:.3f}x {ref}{parts} ({how})"
 
 
 def print_cluster(results: dict) -> None:
