@@ -267,7 +267,7 @@ def test_pilot_probes_take_the_machines_phases_out_of_the_profile(monkeypatch):
     from engines.sim.profiler import PILOT_PROBES, PilotProbe, profile_rows
 
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock.now))  # this module's clock only
     grid = [GridStep(r, 64) for r in range(1, 13)]  # 12 decode steps of 1-12 rows
     period = 3.0  # seconds: a slow second after two fast ones, while a timed run and its pilots take 0.13-0.16 s
 

@@ -387,7 +387,8 @@ class PilotProbe:
     engine's own steps during a replay (``workbench.replay.replay_realtime`` stops its clock meanwhile, so the
     run's latencies do not count them). A 2-core VM's speed swings by 20-30% within a minute in phases of tens of
     seconds (measured: the same five steps timed in 15 interleaved rounds of 5 s ran 0.76-0.89x their median in
-    one stretch of 40 s and 1.06-1.42x in the next, every shape moving together: correlation 0.67-0.93), so
+    one stretch of 40 s and 1.06-1.42x in the next, every shape moving together: correlation 0.67-0.93, on a
+    2-core Intel Xeon; ``benchmarks/machine_phases.py``), so
     probes only before and after a run of 15 s can both miss the phase the run was in. :func:`profile` runs them
     between its grid steps in the same way, and their baseline is the mean over that time, so a run's pilots
     and the profile's are alike: single runs interleaved with other steps, spread over the whole time.
