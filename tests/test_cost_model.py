@@ -9,8 +9,8 @@ from engines.core.row_buckets import gemm_rows
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq
 from engines.core.step_shape import StepShape
-from engines.sim.cost_model import (SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS, CostModel, hat_weights, shape_features,
-                                    step_features)
+from engines.sim.cost_model import (SCALE_LARGE_TOKENS, SCALE_SMALL_TOKENS, CostModel, StepNoise, hat_weights,
+                                    noise_table_of, shape_features, step_features)
 from engines.sim.profiler import (FULL_GRID, PROBE_GRID, GridStep, fit_table_model, grid_batch,
                                   probe_ratio, probe_ratios)
 
@@ -125,11 +125,58 @@ def test_profile_round_trip_keeps_tables_overhead_noise_and_fingerprint(tmp_path
     cm = _true_model()
     cm.overhead, cm.noise_cv, cm.fingerprint, cm.created = {"const": 1e-4, "per_seq": 0.0}, 0.03, {"model": "m"}, "t"
     cm.probe_baseline = [{"probe": 0, "seconds": 0.04}, {"probe": 6, "seconds": 0.8}]
+    cm.noise_table = [[2.0, 0.1], [300.0, 0.02]]
     cm.save(tmp_path / "p.json")
     back = CostModel.load(tmp_path / "p.json")
     assert (back.body_table, back.lm_table, back.overhead, back.noise_cv, back.fingerprint, back.created) == (
         cm.body_table, cm.lm_table, cm.overhead, 0.03, {"model": "m"}, "t")
     assert back.probe_baseline == cm.probe_baseline
+    assert back.noise_table == [[2.0, 0.1], [300.0, 0.02]]
+
+
+def test_noise_table_groups_spreads_by_power_of_two_buckets_of_tokens():
+    # buckets [1, 2), [2, 4), [4, 8), [64, 128), [1024, 2048): the first two have fewer than 3 points and join
+    # the next larger bucket; the last bucket's 2 points, with none after them, join the one before
+    pts = [(1, 0.20), (3, 0.14), (4, 0.12), (5, 0.10), (6, 0.08), (64, 0.05), (100, 0.04), (120, 0.06),
+           (1024, 0.02), (1500, 0.01)]
+    table = noise_table_of(pts)
+    assert len(table) == 2
+    (t0, c0), (t1, c1) = table
+    assert t0 == pytest.approx((1 * 3 * 4 * 5 * 6) ** (1 / 5)) and c0 == pytest.approx(0.12)
+    assert t1 == pytest.approx((64 * 100 * 120 * 1024 * 1500) ** (1 / 5)) and c1 == pytest.approx(0.04)
+    assert noise_table_of([]) == []
+    assert noise_table_of([(8, 0.1)]) == [[pytest.approx(8.0), 0.1]]  # too few for any bucket: one knot of what there is
+
+
+def test_step_noise_spread_follows_the_step_size():
+    table = [[4.0, 0.10], [256.0, 0.02]]
+    noise = StepNoise(0.05, 3, table)
+    assert noise.sigma_at(1) == noise.sigma_at(4) == pytest.approx(0.0998, abs=1e-4)  # the end knots beyond them
+    assert noise.sigma_at(5000) == pytest.approx(0.02, abs=1e-4)
+    assert noise.sigma_at(32) == pytest.approx(0.06, abs=1e-4)  # halfway in log(tokens): cv 0.06
+    small = [noise(2) for _ in range(4000)]
+    large = [noise(1000) for _ in range(4000)]
+    for draws, cv in ((small, 0.10), (large, 0.02)):
+        assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.01)  # mean one at every size
+        assert statistics.stdev(draws) == pytest.approx(cv, rel=0.1)
+    # one draw per call, with or without a table: a table of one knot at the scalar spread gives the same draws
+    plain, flat = StepNoise(0.05, 3), StepNoise(0.05, 3, [[16.0, 0.05]])
+    assert [plain() for _ in range(5)] == [flat(t) for t in (1, 30, 500, 2, 4000)]
+
+
+def test_the_simulator_draws_each_steps_noise_at_its_tokens():
+    from engines.sim.executor import CostModelExecutor, VirtualClock
+    from engines.core.scheduler import SchedulerOutput
+
+    cm = _true_model()
+    cm.noise_cv, cm.noise_table = 0.05, [[1.0, 0.0], [8.0, 0.0], [512.0, 0.3]]  # small steps exact, large ones not
+    ex = CostModelExecutor(cm, VirtualClock(), seed=5)
+    decode = SchedulerOutput(grid_batch(GridStep(4, 64), 16, 1024).seqs)
+    prefill = SchedulerOutput(grid_batch(GridStep(prefills=((512, 0),)), 16, 1024).seqs)
+    small = [ex.execute(decode).duration for _ in range(5)]
+    large = [ex.execute(prefill).duration for _ in range(5)]
+    assert max(small) == pytest.approx(min(small)) == pytest.approx(cm.predict_step(decode))
+    assert max(large) / min(large) > 1.1
 
 
 def test_drift_is_measured_against_the_profiles_own_timing_of_each_probe():

@@ -29,7 +29,7 @@ class StepCostModel(Protocol):
 
     def predict_overhead(self, num_seqs: int) -> float: ...
 
-    def noise(self, seed: int | None) -> Callable[[], float] | None: ...
+    def noise(self, seed: int | None) -> Callable[[float], float] | None: ...
 
 
 class VirtualClock:
@@ -49,8 +49,9 @@ class CostModelExecutor:
     Only the tokens a step computes are charged: a prefix-cache hit shortens the scheduled chunk
     (``ScheduledSeq.token_ids``), so the cost model sees fewer tokens, while attention to the cached prefix
     is still charged through ``start_pos``. Swapped blocks cost ``bytes / swap_bandwidth_bytes_per_s``. A step
-    lasts the cost model's executor time (times a seeded noise draw when the model has a measured spread) plus
-    its prediction of the engine's own per-step work (``CostModel.predict_overhead``).
+    lasts the cost model's executor time (times a seeded noise draw of the spread at the step's tokens when the
+    model has a measured spread) plus its prediction of the engine's own per-step work
+    (``CostModel.predict_overhead``).
 
     Args:
         cost_model: predicts step seconds from the scheduled batch.
@@ -66,7 +67,7 @@ class CostModelExecutor:
         self.cost_model, self.clock = cost_model, clock
         self.block_bytes = block_bytes
         self.swap_bandwidth = swap_bandwidth_bytes_per_s
-        self.noise: Callable[[], float] | None = cost_model.noise(seed)
+        self.noise: Callable[[float], float] | None = cost_model.noise(seed)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         n_swap = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
@@ -74,7 +75,7 @@ class CostModelExecutor:
         dt = self.cost_model.predict_step(out)
         if out.seqs:
             if self.noise is not None:
-                dt *= self.noise()
+                dt *= self.noise(out.shape.tokens)
             dt += self.cost_model.predict_overhead(len(out.seqs))
         dt += swap_time
         self.clock.now += dt

@@ -19,7 +19,8 @@ from typing import Callable
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
-from engines.sim.cost_model import TABLE_FEATURES, CostModel, class_mix, hat_weights, relative_nnls, step_features
+from engines.sim.cost_model import (TABLE_FEATURES, CostModel, class_mix, hat_weights, noise_table_of, relative_nnls,
+                                    step_features)
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,8 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 
     Every ``holdout_every``-th grid step is held out of a first fit and its error reported
     (``fit_error.holdout_*``); the returned model is refitted on every step. ``fit_error`` also has the fit's
-    own errors, ``noise_cv`` the median relative spread of the repeats, ``overhead`` the engine's CPU work,
+    own errors, ``noise_cv`` the median relative spread of the repeats and ``noise_table`` the same by step size
+    (``engines.sim.cost_model.noise_table_of``), ``overhead`` the engine's CPU work,
     ``probe_baseline`` the drift probes (:data:`PROBE_GRID`, timed in the grid's passes but not fitted).
 
     Raises:
@@ -347,6 +349,7 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
             cm.probe_baseline[i] = {"probe": i, "seconds": math.exp(statistics.fmean(math.log(t) for t in ts)),
                                     "samples": len(ts)}
     cm.noise_cv = statistics.median(r[2] for r in rows)
+    cm.noise_table = noise_table_of([(f["tokens"], cv) for f, _, cv in rows])
     cm.fit_error = {"fit_mean_abs_rel": statistics.fmean(fit_errs), "fit_max_abs_rel": max(fit_errs),
                     "holdout_mean_abs_rel": statistics.fmean(held_errs), "holdout_max_abs_rel": max(held_errs),
                     "n_holdout": len(held), "n_points": len(rows), "repeats": repeats,

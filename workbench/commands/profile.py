@@ -47,6 +47,8 @@ def main(model: str, out: str | None, dtype: str = "float32", quick: bool = Fals
     print(f"fit on {fe['n_points']} steps: mean {fe['fit_mean_abs_rel']:.1%}, max {fe['fit_max_abs_rel']:.1%}; "
           f"held out {fe['n_holdout']}: mean {fe['holdout_mean_abs_rel']:.1%}, max {fe['holdout_max_abs_rel']:.1%}; "
           f"step-to-step spread {cm.noise_cv:.1%}")
+    if cm.noise_table:
+        print("step-to-step spread by step size: " + ", ".join(f"{c:.1%} at {t:.0f} tokens" for t, c in cm.noise_table))
     print(f"engine overhead per step: {cm.overhead['const'] * 1e3:.3f} ms + {cm.overhead['per_seq'] * 1e6:.2f} us "
           "per sequence")
     print(path)
