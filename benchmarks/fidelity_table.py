@@ -19,18 +19,11 @@ import json
 import sys
 from pathlib import Path
 
-from workbench.fidelity import FIGURE_BOUNDS
+from workbench.fidelity import FIGURE_BOUNDS, figure
 
-COLUMNS = ("output_throughput", "ttft_ms.p50", "tpot_ms.p50", "e2el_ms.p50", "ttft_ms.p99", "itl_ms.p99",
-           "e2el_ms.p99")
+COLUMNS = tuple(FIGURE_BOUNDS)  # throughput, TTFT / TPOT / E2EL p50, TTFT / ITL / E2EL p99
 E2EL_MAPE_BOUND = 0.12
 STEP_BOUND = 0.05
-
-
-def _dist(d: dict, key: str) -> float | None:
-    metric, _, stat = key.partition(".")
-    v = d.get(metric)
-    return (v or {}).get(stat) if stat else v
 
 
 def _pct(x: float | None, bound: float | None = None) -> tuple[str, int, int]:
@@ -55,7 +48,7 @@ def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
         real = err["real_engine"]
         cells = []
         for key in COLUMNS:
-            c, b, m = _pct(_dist(err["dist"], key), FIGURE_BOUNDS[key])
+            c, b, m = _pct(figure(err["dist"], key), FIGURE_BOUNDS[key])
             cells.append(c)
             n, met = n + b, met + m
         rq = err["request"]
@@ -73,7 +66,7 @@ def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
         twin = "/".join("n/a" if sm.get(k) is None else f"{sm[k]:.2f}" for k in ("scale_small", "scale_large"))
         cells.append(f"{d.get('scale_small', 1):.2f} / {d.get('scale_large', 1):.2f} ({twin})")
         if sm.get("dist"):
-            cells.append(" / ".join(_pct(_dist(sm["dist"], k))[0] for k in COLUMNS[:4]))
+            cells.append(" / ".join(_pct(figure(sm["dist"], k))[0] for k in COLUMNS[:4]))
         else:
             cells.append("n/a")
         out.append(f"| {label} | {name} / {real} | " + " | ".join(cells) + " |")

@@ -44,6 +44,7 @@ made a static engine's decode steps (1-8 rows) too even: its simulated ITL p99 c
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 import random
@@ -259,13 +260,7 @@ def noise_table_of(points: list[tuple[float, float]], min_points: int = 3) -> li
     joins the next larger one, the last such the one before it), and each group gives a knot ``[geometric mean
     of its tokens, median of its spreads]``. Returns the knots sorted by tokens (empty without points)."""
     pts = sorted((max(float(t), 1.0), float(c)) for t, c in points)
-    groups: list[list[tuple[float, float]]] = []
-    for t, c in pts:
-        b = int(math.log2(t))
-        if groups and int(math.log2(groups[-1][-1][0])) == b:
-            groups[-1].append((t, c))
-        else:
-            groups.append([(t, c)])
+    groups = [list(g) for _, g in itertools.groupby(pts, key=lambda p: int(math.log2(p[0])))]
     merged: list[list[tuple[float, float]]] = []
     carry: list[tuple[float, float]] = []
     for g in groups:
@@ -298,10 +293,10 @@ class StepNoise:
         """The lognormal sigma of a step of ``tokens`` tokens."""
         if not self.cvs:
             return self.sigma
-        key = int(tokens)
+        key = int(tokens)  # a step's token count; the cache holds one sigma per count
         s = self._sigmas.get(key)
         if s is None:
-            x, xs, cs = math.log(max(tokens, 1.0)), self.log_tokens, self.cvs
+            x, xs, cs = math.log(max(key, 1)), self.log_tokens, self.cvs
             if x <= xs[0]:
                 cv = cs[0]
             elif x >= xs[-1]:
