@@ -382,6 +382,50 @@ def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_cl
             "TTFT p50 -2.0%, TPOT p50 -2.0%, E2EL p50 -2.0%") in summary_line(err)
 
 
+def test_step_errors_score_the_cost_model_and_the_other_repeats_against_one_repeat():
+    """``repeat_shape_median_mape`` scores the other real repeats' pooled shape medians against each repeat's own
+    (leave one out), ``shape_median_mape_per_repeat`` the cost model's, over the same shapes: those seen at least
+    3 times in the repeat and in the others."""
+    from types import SimpleNamespace
+
+    from workbench.fidelity import repeat_shape_errors, step_errors, summary_line
+
+    small = StepShape(tokens=4, decode_rows=4, decode_ctx=1024, sampled=4)
+    large = StepShape(tokens=32, decode_rows=32, decode_ctx=8192, sampled=32)
+
+    def steps(shape, seconds):
+        return [SimpleNamespace(num_seqs=shape.decode_rows, duration=d, overhead=0.0, shape=shape) for d in seconds]
+
+    cm = CostModel(coef={"const": 1.0})  # predicts 1 s for every step
+
+    def predict(s):
+        return cm.predict_features(shape_features(s.shape))
+
+    rep1 = steps(small, [1.0, 1.0, 1.0]) + steps(large, [2.0, 2.0, 2.0])
+    rep2 = steps(small, [1.2, 1.2, 1.2]) + steps(large, [2.0, 2.0])  # large: two steps, no median here
+    # only small counts: repeat 1 has 1.0 (others 1.2, model 1.0), repeat 2 has 1.2 (others 1.0, model 1.0)
+    got = repeat_shape_errors([rep1, rep2], predict)
+    assert got["repeat_shape_median_mape"] == pytest.approx((0.2 / 1.0 + 0.2 / 1.2) / 2)
+    assert got["shape_median_mape_per_repeat"] == pytest.approx((0.0 + 0.2 / 1.2) / 2)
+    # a third repeat of large only: repeat 1 small (others 1.2) and large 2.0 (others 2, 2, 2.5 x 3: 2.5);
+    # repeat 2 small 1.2 (others 1.0); repeat 3 large 2.5 (others 2.0 x 5)
+    rep3 = steps(large, [2.5, 2.5, 2.5])
+    got = repeat_shape_errors([rep1, rep2, rep3], predict)
+    assert got["repeat_shape_median_mape"] == pytest.approx(((0.2 / 1.0 + 0.5 / 2.0) / 2 + 0.2 / 1.2 + 0.5 / 2.5) / 3)
+    assert got["shape_median_mape_per_repeat"] == pytest.approx(((0.0 + 1.0 / 2.0) / 2 + 0.2 / 1.2 + 1.5 / 2.5) / 3)
+    assert repeat_shape_errors([rep1], predict) == {"repeat_shape_median_mape": None,
+                                                    "shape_median_mape_per_repeat": None}
+    assert repeat_shape_errors([rep1, rep2])["shape_median_mape_per_repeat"] is None
+    got = step_errors(cm, rep1 + rep2, [rep1, rep2])
+    assert got["repeat_shape_median_mape"] == pytest.approx((0.2 / 1.0 + 0.2 / 1.2) / 2)
+    assert got["shape_median_mape_per_repeat"] == pytest.approx((0.0 + 0.2 / 1.2) / 2)
+    assert step_errors(cm, rep1)["repeat_shape_median_mape"] is None
+    err = {"real_engine": "paged", "step": got, "request": {},
+           "dist": {"output_throughput": 0.0, **{m: {"p50": 0.0, "p99": 0.0} for m in
+                                                 ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
+    assert "(against one real repeat: the cost model 8.3%, the other repeats 18.3%)" in summary_line(err)
+
+
 def test_request_errors_state_the_real_repeats_own_per_request_difference():
     """Per-request MAPEs are taken between the means over each side's repeats; ``noise_floor`` puts each real
     repeat against the mean of the other ones (leave one out), pooled."""

@@ -50,5 +50,6 @@ def test_simulator_within_ci_bounds_of_the_real_engine(fidelity_run, sim):
     assert err["request"]["n_matched"] == fidelity_run["num_requests"]
     assert err["sensitivity"]["n_seeds"] == 3 and "output_throughput" in err["sensitivity"]["elasticity"]
     assert err["step"]["n_steps"] > 20 and err["step"]["noise_floor"] is not None
+    assert err["step"]["repeat_shape_median_mape"] is not None  # three real repeats: a floor for the shape medians
     assert abs(err["dist"]["output_throughput"]) <= BOUNDS["output_throughput"], err["dist"]
     assert abs(err["dist"]["e2el_ms"]["p50"]) <= BOUNDS["e2el_p50"], err["dist"]

@@ -24,7 +24,7 @@ DIST_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DIST_STATS = ("mean", "p50", "p90", "p99")
 
 FORMULAS = {
-    "sim_error.step": "over the real engine's steps (every repeat): e = (cost model's prediction of the step's shape - measured duration - overhead) / (measured duration + overhead); mape = mean |e|, mean = mean e (signed), p90 = 90th percentile of |e|; shape_median_mape = mean over step shapes (kind x rows x tokens x context per row x cached context per prefill token, power-of-2 buckets) seen at least 3 times of |median prediction - median measured| / median measured (shape_median_mape_all: over every shape); noise_floor = median |d - shape median| / shape median of the measured steps of shapes seen at least 3 times (the real executor's own step-to-step spread)",
+    "sim_error.step": "over the real engine's steps (every repeat): e = (cost model's prediction of the step's shape - measured duration - overhead) / (measured duration + overhead); mape = mean |e|, mean = mean e (signed), p90 = 90th percentile of |e|; shape_median_mape = mean over step shapes (kind x rows x tokens x context per row x cached context per prefill token, power-of-2 buckets) seen at least 3 times of |median prediction - median measured| / median measured (shape_median_mape_all: over every shape); noise_floor = median |d - shape median| / shape median of the measured steps of shapes seen at least 3 times (the real executor's own step-to-step spread); repeat_shape_median_mape (with 2 or more real repeats): the shape medians of the other real repeats pooled (leave one out) against each repeat's own, |median(others) - median(repeat)| / median(repeat) over the shapes seen at least 3 times in the repeat and in the others, averaged over the shapes and then over the repeats: the real engine's own per-shape repeat-to-repeat difference; shape_median_mape_per_repeat: the same with the cost model's median prediction of the repeat's steps in place of median(others), over the same shapes: the cost model and the other repeats scored against one repeat alike (shape_median_mape is taken against the medians of all repeats pooled, which hold less noise)",
     "sim_error.request": "requests finished in both, matched by id: ttft_mape = mean |sim TTFT - real TTFT| / real TTFT, e2el_mape likewise (each side: the mean over its repeats of each request; a sim engine with step noise runs as many repeats as its twin, noise seeds seed + i); noise_floor (with 2 or more real repeats): the same two MAPEs of each real repeat against the mean of the other repeats, pooled over the repeats (leave one out): the real engine's own per-request repeat-to-repeat difference, with one repeat on the measured side where the sim is compared with the mean of all of them)",
     "profile": "a sim engine's cost model: path, fingerprint (CPU model and ISA flags, torch CPU kernel level, threads, torch version, model and its config hash, dtype, weight dtype, attention kernels) and when it was measured; cost_model auto measures this machine's on first use (workbench.calibration)",
     "drift": "before and after each real engine run the fixed probe steps (engines.sim.profiler.PROBE_GRID) are timed (phase before / after); a sim engine takes the probes of its real twin's runs (probes_of; all real runs' when it has no twin); each probe's reference is the profile's own timing of the same step (probe_baseline, timed in the profile's grid passes; reference: baseline), else the profile's prediction (reference: prediction); speed_ratio = geometric mean over the probes of measured / reference seconds; speed_ratio_small and speed_ratio_large = the same over probe steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens (memory-bound: decodes of a few rows) and of at least SCALE_LARGE_TOKENS (compute-bound: larger decode batches, mixed steps, prefills); before and after: the same three over each phase's probes; during: the same three over the pilot probes (engines.sim.profiler.PILOT_PROBES: a 4-row decode and a 128-token prefill on the KV cache's scratch block) timed once each between the real runs' own steps whenever 2 s of the run (PILOT_EVERY_S) have passed since the last, the replay clock stopped meanwhile (n_pilots timings; each such probe's at is the engine clock then), against their baseline in the profile, the geometric mean of the same pilots run between the profile's grid steps in the same way (not in speed_ratio); the factor of each class (scale_small, scale_large) is its pilots' ratio where there are pilots and it is off by more than margin (workbench.runner.during_factor), else the phase ratio nearer 1 when both phases are off by more than margin on the same side, else 1 (workbench.runner.agreed_factor); when either factor is not 1 and every ratio is within [1 / max, max] the sim engine's predictions are multiplied by a factor of the step's tokens: scale_small up to SCALE_SMALL_TOKENS (8) tokens, scale_large from SCALE_LARGE_TOKENS (32), linear in log(tokens) between (CostModel.scale; rescaled; beyond max the profile is of another machine and is left as it is: beyond_max); gemm_gflops: a [64, 576] x [576, 1536] float32 GEMM's speed",
@@ -47,9 +47,52 @@ def shape_key(shape) -> tuple:
             _bucket(shape.prefill_ctx / max(shape.prefill_tokens, 1)))
 
 
-def step_errors(cost_model, steps) -> dict:
+def _shape_medians(steps, predict=None) -> dict[tuple, tuple[float, int, float | None]]:
+    """shape key -> (median measured seconds, number of steps, median of ``predict(step)`` or None) of ``steps``
+    that computed something."""
+    groups: dict[tuple, list] = {}
+    for s in steps:
+        if s.num_seqs and s.duration > 0:
+            groups.setdefault(shape_key(s.shape), []).append(s)
+    return {k: (float(np.median([s.duration + s.overhead for s in v])), len(v),
+                float(np.median([predict(s) for s in v])) if predict else None) for k, v in groups.items()}
+
+
+def repeat_shape_errors(steps_by_repeat: list[list], predict=None) -> dict:
+    """Per-shape medians of each real repeat against the other repeats pooled (leave one out) and against the
+    cost model, over the same shapes: those seen at least ``MIN_SHAPE_STEPS`` times in the repeat and in the
+    others (``FORMULAS["sim_error.step"]``).
+
+    Args:
+        steps_by_repeat: each real repeat's ``StepRecord``s.
+        predict: step -> predicted seconds (the cost model on the step's shape), or None.
+
+    Returns:
+        ``repeat_shape_median_mape``: mean over repeats of the mean over shapes of
+        ``|median(others) - median(repeat)| / median(repeat)``: the real engine's own per-shape repeat-to-repeat
+        difference, what a cost model that predicted each shape as the other repeats ran it would score;
+        ``shape_median_mape_per_repeat``: the same with the cost model's median prediction (of the repeat's
+        steps) in place of the others' median (None without ``predict``). Both None with fewer than two repeats
+        or no shape on both sides.
+    """
+    floor, model = [], []
+    for i, mine in enumerate(steps_by_repeat if len(steps_by_repeat) >= 2 else []):
+        own = _shape_medians(mine, predict)
+        others = _shape_medians([s for j, run in enumerate(steps_by_repeat) if j != i for s in run])
+        keys = [k for k, (_, n, _) in own.items() if n >= MIN_SHAPE_STEPS and others.get(k, (0, 0))[1] >= MIN_SHAPE_STEPS]
+        if keys:
+            floor.append(statistics.fmean(abs(others[k][0] - own[k][0]) / own[k][0] for k in keys))
+            if predict:
+                model.append(statistics.fmean(abs(own[k][2] - own[k][0]) / own[k][0] for k in keys))
+    return {"repeat_shape_median_mape": statistics.fmean(floor) if floor else None,
+            "shape_median_mape_per_repeat": statistics.fmean(model) if model else None}
+
+
+def step_errors(cost_model, steps, steps_by_repeat: list[list] | None = None) -> dict:
     """Step-level error of ``cost_model`` on real ``steps`` (``StepRecord``s of one or more runs); see
-    ``FORMULAS["sim_error.step"]``. Steps that computed nothing are skipped."""
+    ``FORMULAS["sim_error.step"]``. Steps that computed nothing are skipped. ``steps_by_repeat``: the same steps
+    split by real repeat, for ``repeat_shape_median_mape`` and ``shape_median_mape_per_repeat``
+    (:func:`repeat_shape_errors`; None without)."""
     from engines.sim.cost_model import shape_features
 
     pred, meas, keys = [], [], []
@@ -80,7 +123,8 @@ def step_errors(cost_model, steps) -> dict:
             "shape_median_mape": float(np.mean(shape_errs)) if shape_errs else None,
             "shape_median_mape_all": float(np.mean(all_errs)),
             "shape_median_mape_by_kind": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
-            "noise_floor": float(np.median(dev)) if dev else None}
+            "noise_floor": float(np.median(dev)) if dev else None,
+            **repeat_shape_errors(steps_by_repeat or [], lambda s: cost_model.predict_features(shape_features(s.shape)))}
 
 
 def request_errors(sim_runs: list, real_runs: list) -> dict:
@@ -232,10 +276,11 @@ def speed_matched_errors(speed: dict, sim_summary: dict, sim_runs: list, real_su
 
 
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
-              real_steps: list) -> dict:
+              real_steps: list, real_steps_by_repeat: list[list] | None = None) -> dict:
     """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name`` (``*_runs``: each
-    repeat's outputs; ``real_steps``: the step records of every real repeat)."""
-    return {"real_engine": real_name, "step": step_errors(cost_model, real_steps),
+    repeat's outputs; ``real_steps``: the step records of every real repeat; ``real_steps_by_repeat``: the same
+    split by repeat, for the step level's repeat floor)."""
+    return {"real_engine": real_name, "step": step_errors(cost_model, real_steps, real_steps_by_repeat),
             "request": request_errors(sim_runs, real_runs), "dist": dist_errors(sim_summary, real_summary),
             "real_spread": real_spread(sim_summary, real_summary)}
 
@@ -279,9 +324,13 @@ def summary_line(err: dict) -> str:
         at_speed = ((err.get("speed_matched") or {}).get("step") or {}).get("shape_median_mape")
         parts.append(f"steps: MAPE {st['mape']:.1%}, per-shape medians {'n/a' if shape is None else f'{shape:.1%}'}"
                      + (f" ({at_speed:.1%} at the twin's own speed)" if at_speed is not None else "")
-                     + (f" (noise floor {nf:.1%})" if nf is not None else ""))
+                     + (f" (noise floor {nf:.1%})" if nf is not None else "")
+                     + (f" (against one real repeat: the cost model {st['shape_median_mape_per_repeat']:.1%}, "
+                        f"the other repeats {st['repeat_shape_median_mape']:.1%})"
+                        if None not in (st.get("repeat_shape_median_mape"), st.get("shape_median_mape_per_repeat"))
+                        else ""))
     return "; ".join(parts)
 
 
-__all__ = ["FIGURE_BOUNDS", "FORMULAS", "SENSITIVITY_STEP", "dist_errors", "figure", "sensitivity", "real_spread", "request_errors", "shape_key", "sim_error", "speed_matched_errors", "step_errors", "twin_speed",
+__all__ = ["FIGURE_BOUNDS", "FORMULAS", "SENSITIVITY_STEP", "dist_errors", "figure", "sensitivity", "real_spread", "repeat_shape_errors", "request_errors", "shape_key", "sim_error", "speed_matched_errors", "step_errors", "twin_speed",
            "summary_line"]

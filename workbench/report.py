@@ -275,14 +275,15 @@ def _within(spread: dict | None) -> str:
 def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
     """The sim-vs-real error table (``summary.sim_error``, see ``workbench.fidelity``): one row per sim engine,
     signed errors of the distribution, per-request MAPEs (and the real repeats' own, leave one out), the step
-    level's per-shape medians (also at the twin's own speed) and noise floor."""
+    level's per-shape medians (also at the twin's own speed and among the real repeats) and noise floor."""
     def pct(x, signed=True):
         return "n/a" if x is None else (f"{x:+.1%}" if signed else f"{x:.1%}")
 
     headers = ["sim engine", "vs real engine", "output throughput", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99",
                "E2EL p50", "E2EL p99", "request TTFT MAPE", "request E2EL MAPE",
                "request E2EL MAPE among the real repeats", "step MAPE",
-               "step per-shape median MAPE", "the same at the twin's own speed", "step noise floor",
+               "step per-shape median MAPE", "the same at the twin's own speed",
+               "the same against one real repeat", "the other real repeats against one", "step noise floor",
                "figures within the real repeats' range"]
     rows = []
     for n, e in results["engines"].items():
@@ -297,6 +298,7 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
                      pct((rq.get("noise_floor") or {}).get("e2el_mape"), False), pct(st.get("mape"), False),
                      pct(st.get("shape_median_mape"), False),
                      pct(((err.get("speed_matched") or {}).get("step") or {}).get("shape_median_mape"), False),
+                     pct(st.get("shape_median_mape_per_repeat"), False), pct(st.get("repeat_shape_median_mape"), False),
                      pct(st.get("noise_floor"), False),
                      _within(err.get("real_spread"))])
     return headers, rows
