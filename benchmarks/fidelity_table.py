@@ -6,7 +6,8 @@ One markdown row per sim engine with a real twin: the signed errors of ``sim_err
 the real repeats (output throughput; TTFT, TPOT, E2EL p50; TTFT, ITL, E2EL p99), the per-request E2EL MAPE
 beside the real repeats' own (``sim_error.request.noise_floor``), the MAPE of per-shape step medians beside the
 same figure against one real repeat for the cost model and for the other repeats
-(``sim_error.step.shape_median_mape_per_repeat``, ``repeat_shape_median_mape``) and the real steps' noise floor, the drift factors applied (small / large steps) beside the twin's own speed, and the
+(``sim_error.step.shape_median_mape_per_repeat``, ``repeat_shape_median_mape``) and the real steps' noise
+floor, the drift factors applied (small / large steps) beside the twin's own speed, and the
 throughput / TTFT p50 / TPOT p50 / E2EL p50 errors at the twin's own speed (``sim_error.speed_matched``). A
 figure past its bound (``workbench.fidelity.FIGURE_BOUNDS``; 12% for the per-request E2EL MAPE, 5% for the
 per-shape step medians: the simulator issue's bounds) is marked X. Then, per real engine, output throughput
@@ -89,7 +90,8 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[2], file=sys.stderr)
         return 2
     print("| scenario | pair | throughput | TTFT p50 | TPOT p50 | E2EL p50 | TTFT p99 | ITL p99 | E2EL p99 | "
-          "request E2EL MAPE (real repeats among themselves) | steps (against one real repeat: the cost model vs the other repeats; step noise) | drift factors small / large "
+          "request E2EL MAPE (real repeats among themselves) | steps (against one real repeat: the cost model vs "
+          "the other repeats; step noise) | drift factors small / large "
           "(twin's own speed) | at the twin's speed |")
     print("|" + "---|" * 13)
     lines, total, total_met, machine = [], 0, 0, None

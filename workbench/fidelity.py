@@ -79,7 +79,8 @@ def repeat_shape_errors(steps_by_repeat: list[list], predict=None) -> dict:
     for i, mine in enumerate(steps_by_repeat if len(steps_by_repeat) >= 2 else []):
         own = _shape_medians(mine, predict)
         others = _shape_medians([s for j, run in enumerate(steps_by_repeat) if j != i for s in run])
-        keys = [k for k, (_, n, _) in own.items() if n >= MIN_SHAPE_STEPS and others.get(k, (0, 0))[1] >= MIN_SHAPE_STEPS]
+        keys = [k for k, (_, n, _) in own.items()
+                if n >= MIN_SHAPE_STEPS and others.get(k, (0, 0))[1] >= MIN_SHAPE_STEPS]
         if keys:
             floor.append(statistics.fmean(abs(others[k][0] - own[k][0]) / own[k][0] for k in keys))
             if predict:
@@ -124,7 +125,8 @@ def step_errors(cost_model, steps, steps_by_repeat: list[list] | None = None) ->
             "shape_median_mape_all": float(np.mean(all_errs)),
             "shape_median_mape_by_kind": {k: float(np.mean(v)) for k, v in sorted(by_kind.items())},
             "noise_floor": float(np.median(dev)) if dev else None,
-            **repeat_shape_errors(steps_by_repeat or [], lambda s: cost_model.predict_features(shape_features(s.shape)))}
+            **repeat_shape_errors(steps_by_repeat or [],
+                                  lambda s: cost_model.predict_features(shape_features(s.shape)))}
 
 
 def request_errors(sim_runs: list, real_runs: list) -> dict:
@@ -276,10 +278,10 @@ def speed_matched_errors(speed: dict, sim_summary: dict, sim_runs: list, real_su
 
 
 def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, real_summary: dict, real_runs: list,
-              real_steps: list, real_steps_by_repeat: list[list] | None = None) -> dict:
+              real_steps_by_repeat: list[list]) -> dict:
     """The whole ``sim_error`` entry of a sim engine against its real twin ``real_name`` (``*_runs``: each
-    repeat's outputs; ``real_steps``: the step records of every real repeat; ``real_steps_by_repeat``: the same
-    split by repeat, for the step level's repeat floor)."""
+    repeat's outputs; ``real_steps_by_repeat``: each real repeat's step records)."""
+    real_steps = [s for run in real_steps_by_repeat for s in run]
     return {"real_engine": real_name, "step": step_errors(cost_model, real_steps, real_steps_by_repeat),
             "request": request_errors(sim_runs, real_runs), "dist": dist_errors(sim_summary, real_summary),
             "real_spread": real_spread(sim_summary, real_summary)}

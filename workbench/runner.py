@@ -374,7 +374,7 @@ def add_sim_errors(results: dict, per_engine: dict, cost_models: dict, slowed: d
         runs = per_engine[real]
         e["summary"]["sim_error"] = sim_error(
             cost_models[name], e["summary"], [r[1] for r in per_engine[name]], real, engines[real]["summary"],
-            [r[1] for r in runs], [st for r in runs for st in r[2]], [r[2] for r in runs])
+            [r[1] for r in runs], [r[2] for r in runs])
         if slowed and name in slowed:
             e["summary"]["sim_error"]["sensitivity"] = sensitivity([r[0] for r in per_engine[name]], slowed[name])
         if matched and matched.get(name):
