@@ -283,6 +283,8 @@ def test_drift_takes_the_pilot_probes_of_the_runs_where_there_are_some():
     assert d["before"]["small"] == pytest.approx(1.0) and d["after"]["large"] == pytest.approx(0.8)
     assert d["speed_ratio"] == pytest.approx(math.sqrt(0.8))  # the ends' probes only
     assert [p["at"] for p in d["probes"][0]["steps"] if p["phase"] == "during"] == [0, 1, 2, 0, 1, 2]
+    # steps past the large pilot's 128 tokens take part of the large factor (engines.sim.cost_model.pilot_elasticity)
+    assert d["pilot_elasticity"] == {"full_tokens": 128, "floor_tokens": 512, "floor": 0.5}
 
 
 def test_the_drift_line_names_the_pilots_and_what_was_done():

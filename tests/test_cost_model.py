@@ -236,6 +236,38 @@ def test_drift_has_a_memory_bound_and_a_compute_bound_factor():
     assert cm.scale(4096) == 0.9
 
 
+def test_steps_past_the_pilots_size_take_part_of_its_drift():
+    """The probes' large-class factor is the 128-token pilot's reading of the machine; a step of more tokens
+    follows it only in part (measured: about half from 512 tokens on): it takes the factor raised to
+    ``pilot_elasticity``, 1 up to the pilot's size, 0.5 from 512 tokens, log-linear between. A factor measured on
+    the steps themselves (``speed_elastic`` False) applies as it is."""
+    from engines.sim.cost_model import (PILOT_ELASTICITY_FLOOR, PILOT_ELASTICITY_FLOOR_TOKENS, PILOT_LARGE_TOKENS,
+                                        pilot_elasticity)
+
+    assert PILOT_LARGE_TOKENS == 128 and PILOT_ELASTICITY_FLOOR_TOKENS == 512 and PILOT_ELASTICITY_FLOOR == 0.5
+    assert pilot_elasticity(32) == pilot_elasticity(128) == 1.0
+    assert pilot_elasticity(256) == pytest.approx(0.75)  # halfway in log(tokens)
+    assert pilot_elasticity(512) == pilot_elasticity(8192) == 0.5
+    cm = CostModel({"const": 0.01}, speed_scale=0.9, speed_scale_large=1.21, speed_elastic=True)
+    assert cm.scale(4) == 0.9 and cm.scale(64) == cm.scale(128) == 1.21
+    assert cm.scale(256) == pytest.approx(1.21 ** 0.75) and cm.scale(3000) == pytest.approx(1.1)
+    cm.speed_elastic = False
+    assert cm.scale(3000) == 1.21
+    # the profile's pilot normalization takes the same share: a 3,000-token step's run is divided by the square
+    # root of the large pilot's speed against its mean
+    from engines.sim.profiler import PILOT_PROBES, PROBE_GRID, PilotProbe
+    from types import SimpleNamespace
+
+    assert PROBE_GRID[PILOT_PROBES[1]].prefills == ((PILOT_LARGE_TOKENS, 0),)
+    pilot = PilotProbe(SimpleNamespace(kv=SimpleNamespace(block_size=16, num_blocks=64)))
+    for at, small, large in ((0.0, 0.01, 0.1), (1.0, 0.01, 0.1), (2.0, 0.01, 0.4), (3.0, 0.01, 0.4)):
+        pilot.records += [{"probe": PILOT_PROBES[0], "seconds": small, "at": at},
+                          {"probe": PILOT_PROBES[1], "seconds": large, "at": at}]
+    assert pilot.speed_at(2.5, 128) == pytest.approx(2.0)  # 0.4 against the geometric mean 0.2
+    assert pilot.speed_at(2.5, 3000) == pytest.approx(2.0 ** 0.5)
+    assert pilot.speed_at(2.5, 4) == pytest.approx(1.0)
+
+
 def test_real_spread_says_whether_the_sim_is_within_the_real_repeats():
     from workbench.fidelity import real_spread, summary_line
 

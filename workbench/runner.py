@@ -16,7 +16,7 @@ from typing import Callable
 from engines.core.config import ModelConfig
 from engines.factory import EngineConfig, build_engine
 from engines.sim.catalog import GIB
-from engines.sim.cost_model import CostModel
+from engines.sim.cost_model import PILOT_ELASTICITY_FLOOR, PILOT_ELASTICITY_FLOOR_TOKENS, PILOT_LARGE_TOKENS, CostModel
 from engines.real.cpu_features import cpu_flags, cpu_name, native_bf16
 from workbench.fidelity import FORMULAS as FIDELITY_FORMULAS
 from workbench.fidelity import SENSITIVITY_STEP
@@ -320,7 +320,8 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     class with pilot probes, theirs (:func:`during_factor`), else those that the probes before and after agree
     on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
     beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is
-    left as it is and the run says so)."""
+    left as it is and the run says so). A step of more tokens than the large pilot takes ``scale_large`` raised
+    to ``engines.sim.cost_model.pilot_elasticity`` (``pilot_elasticity``: its knots)."""
     from engines.sim.profiler import probe_reference, probe_ratios
 
     steps = [p for run in probes for p in run["steps"]]
@@ -336,6 +337,8 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
             "n_pilots": sum(p.get("phase") == "during" for p in steps),
             "scale_small": scale["small"] if rescaled else 1.0, "scale_large": scale["large"] if rescaled else 1.0,
             "reference": "baseline" if cm.probe_baseline else "prediction",
+            "pilot_elasticity": {"full_tokens": PILOT_LARGE_TOKENS, "floor_tokens": PILOT_ELASTICITY_FLOOR_TOKENS,
+                                 "floor": PILOT_ELASTICITY_FLOOR},
             "margin": DRIFT_MARGIN, "max": DRIFT_MAX, "rescaled": rescaled, "probes_of": source,
             "beyond_max": beyond, "n_probe_runs": len(probes),
             "probes": [{"gemm_gflops": run["gemm_gflops"],
@@ -498,7 +501,7 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
         small = speed["scale_small"] if speed["scale_small"] is not None else cm.speed_scale
         large = speed["scale_large"] if speed["scale_large"] is not None else (
             cm.speed_scale_large if cm.speed_scale_large is not None else cm.speed_scale)
-        at_speed = dataclasses.replace(cm, speed_scale=small, speed_scale_large=large)
+        at_speed = dataclasses.replace(cm, speed_scale=small, speed_scale_large=large, speed_elastic=False)
         out = []
         for rep in range(runs):
             sc = scenario.model_copy(update={"seed": scenario.seed + rep})
@@ -520,9 +523,11 @@ def run_scenario(scenario: Scenario, out_dir: Path, progress=None, plots: bool =
             d = drifts[spec.name]
             if d and d["rescaled"]:
                 cm.speed_scale, cm.speed_scale_large = d["scale_small"], d["scale_large"]
+                cm.speed_elastic = True  # the probes' reading: steps past the pilot's size follow it only in part
                 if echo:
                     echo(f"{spec.name}: the probes before and after the runs agree that this machine runs "
-                         f"{cm.speed_scale:.3f}x (small steps) and {cm.speed_scale_large:.3f}x (large ones) the profile's "
+                         f"{cm.speed_scale:.3f}x (small steps) and {cm.speed_scale_large:.3f}x (large ones; past "
+                         f"{PILOT_LARGE_TOKENS} tokens in part) the profile's "
                          f"times (margin {DRIFT_MARGIN:.0%}); predictions rescaled")
         # with step noise the simulator is one draw of a noisy machine too: as many runs as the real engines
         # had, noise seeds seed, seed + 1, ..., so that its means compare with theirs

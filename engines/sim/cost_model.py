@@ -95,13 +95,41 @@ SCALE_SMALL_TOKENS = 8  # drift: steps up to this many tokens take ``speed_scale
 SCALE_LARGE_TOKENS = 32  # ... and steps from this many on ``speed_scale_large`` (compute-bound)
 
 
-def class_mix(tokens: float, small: float, large: float) -> float:
+# How far a large step's time follows the large pilot probe (a 128-token prefill) when the machine's speed moves:
+# as the exponent of the pilot's factor, 1 up to the pilot's own size, log-linear down to PILOT_ELASTICITY_FLOOR
+# at PILOT_ELASTICITY_FLOOR_TOKENS and that beyond. Measured with ``benchmarks/pilot_elasticity.py`` (slopes of
+# log step time on log pilot time over windows of 4-8 rounds, two runs of 5-6 min) on a 2-core AMD EPYC (AVX-512):
+# a 128-token prefill 1.01-1.02 (the pilot's own shape), prefills of 512, 2 x 512 and 8 x 333 tokens 0.48-0.57;
+# and in real runs (three repeats of each of 16 engines, each engine's repeats against their own mean, so the
+# profile's error at a shape drops out) steps of 32-127 tokens 0.99, 128-511 0.60, 512-2,047 0.56, 2,048 and
+# more 0.43. Dividing a 512- to 2,664-token step's single runs by the pilot's speed took their spread from
+# 0.042-0.051 to 0.041-0.055 at exponent 1 and to 0.019-0.022 at 0.5.
+PILOT_LARGE_TOKENS = 128  # the large pilot probe: a prefill of this many tokens (engines.sim.profiler.PILOT_PROBES)
+PILOT_ELASTICITY_FLOOR_TOKENS = 512
+PILOT_ELASTICITY_FLOOR = 0.5
+
+
+def pilot_elasticity(tokens: float) -> float:
+    """The exponent of the large drift class's factor that a step of ``tokens`` tokens takes: 1 up to
+    :data:`PILOT_LARGE_TOKENS`, :data:`PILOT_ELASTICITY_FLOOR` from :data:`PILOT_ELASTICITY_FLOOR_TOKENS`,
+    linear in log(tokens) between (measured; see the constants)."""
+    if tokens <= PILOT_LARGE_TOKENS:
+        return 1.0
+    if tokens >= PILOT_ELASTICITY_FLOOR_TOKENS:
+        return PILOT_ELASTICITY_FLOOR
+    w = math.log(tokens / PILOT_LARGE_TOKENS) / math.log(PILOT_ELASTICITY_FLOOR_TOKENS / PILOT_LARGE_TOKENS)
+    return 1.0 - w * (1.0 - PILOT_ELASTICITY_FLOOR)
+
+
+def class_mix(tokens: float, small: float, large: float, elastic: bool = False) -> float:
     """A drift factor for a step of ``tokens`` tokens from the factors of the two drift classes: ``small`` up to
-    ``SCALE_SMALL_TOKENS``, ``large`` from ``SCALE_LARGE_TOKENS``, linear in log(tokens) between."""
+    ``SCALE_SMALL_TOKENS``, ``large`` from ``SCALE_LARGE_TOKENS``, linear in log(tokens) between. ``elastic``:
+    ``large`` is a probe's reading of the machine (the pilots'), which a step of more tokens follows only in part:
+    it takes ``large ** pilot_elasticity(tokens)``."""
     if tokens <= SCALE_SMALL_TOKENS:
         return small
     if tokens >= SCALE_LARGE_TOKENS:
-        return large
+        return large ** pilot_elasticity(tokens) if elastic else large
     w = math.log(tokens / SCALE_SMALL_TOKENS) / math.log(SCALE_LARGE_TOKENS / SCALE_SMALL_TOKENS)
     return small + w * (large - small)
 
@@ -132,6 +160,10 @@ class CostModel:
         speed_scale_large: the drift correction of steps of at least :data:`SCALE_LARGE_TOKENS` tokens
             (None: ``speed_scale`` for every step); between the two sizes the factor is interpolated
             linearly in log(tokens). See :meth:`scale`.
+        speed_elastic: the two factors are the probes' reading of the machine's drift (``workbench.runner.drift``),
+            which steps of more than :data:`PILOT_LARGE_TOKENS` tokens follow only in part
+            (:func:`pilot_elasticity`); False: every step of at least :data:`SCALE_LARGE_TOKENS` tokens takes
+            ``speed_scale_large`` as it is (a factor measured on the steps themselves, or none).
         probe_baseline: ``[{"probe": i, "seconds": s}, ...]``: the drift probe steps
             (``engines.sim.profiler.PROBE_GRID[i]``) timed when the profile was measured, the same way a run times
             them. A run's drift is the probes' time now over this baseline, so that the fit's own error at a
@@ -151,6 +183,7 @@ class CostModel:
     created: str = ""
     speed_scale: float = 1.0
     speed_scale_large: float | None = None
+    speed_elastic: bool = False
     row_buckets: dict[str, str] = field(default_factory=dict)
     probe_baseline: list[dict] = field(default_factory=list)
     noise_table: list[list[float]] = field(default_factory=list)
@@ -158,7 +191,7 @@ class CostModel:
     def scale(self, tokens: float) -> float:
         """The drift factor of a step of ``tokens`` tokens (see ``speed_scale_large``)."""
         big = self.speed_scale_large
-        return self.speed_scale if big is None else class_mix(tokens, self.speed_scale, big)
+        return self.speed_scale if big is None else class_mix(tokens, self.speed_scale, big, self.speed_elastic)
 
     def predict_exec(self, f: dict[str, float]) -> float:
         """Seconds the executor takes for a step with features ``f`` (``shape_features``)."""

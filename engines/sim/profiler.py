@@ -20,8 +20,8 @@ from typing import Callable
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
-from engines.sim.cost_model import (TABLE_FEATURES, CostModel, class_mix, hat_weights, noise_table_of, relative_nnls,
-                                    step_features)
+from engines.sim.cost_model import (PILOT_LARGE_TOKENS, TABLE_FEATURES, CostModel, class_mix, hat_weights,
+                                    noise_table_of, relative_nnls, step_features)
 
 
 @dataclass(frozen=True)
@@ -376,7 +376,7 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
 # so they can run while requests hold the pool's blocks.
 PROBE_GRID = (GridStep(1, 64), GridStep(4, 128), GridStep(16, 256), GridStep(48, 128), GridStep(prefills=((128, 0),)),
               GridStep(8, 256, ((64, 0),)), GridStep(prefills=((384, 0),)),
-              GridStep(4, 64, scratch=True), GridStep(prefills=((128, 0),), scratch=True))
+              GridStep(4, 64, scratch=True), GridStep(prefills=((PILOT_LARGE_TOKENS, 0),), scratch=True))
 PILOT_PROBES = (7, 8)  # indices in PROBE_GRID: a 4-row decode (a small step) and a 128-token prefill (a large one)
 # seconds of the engine's own running between two pilot probes: a pair takes about 0.2 s on a 2-core CPU, so
 # about a tenth of the run's wall time, which the replay clock does not count
@@ -420,7 +420,8 @@ class PilotProbe:
         """The machine's speed at time ``t`` (the clock of the records' ``at``) against its mean over all the
         records, for a step of ``tokens`` tokens: per pilot, the geometric mean of its timings nearest before and
         after ``t`` over the geometric mean of all its timings; the small pilot's and the large one's mixed by
-        drift class (``engines.sim.cost_model.class_mix``). 1 while a pilot has fewer than two timings."""
+        drift class (``engines.sim.cost_model.class_mix``; a step of more than the large pilot's 128 tokens takes
+        part of the large one's: ``pilot_elasticity``). 1 while a pilot has fewer than two timings."""
         import bisect
 
         f = []
@@ -431,7 +432,7 @@ class PilotProbe:
             k = bisect.bisect_left([a for a, _ in rec], t)
             near = rec[max(0, k - 1):k + 1]
             f.append(math.exp(statistics.fmean(x for _, x in near) - statistics.fmean(x for _, x in rec)))
-        return class_mix(tokens, f[0], f[1])
+        return class_mix(tokens, f[0], f[1], elastic=True)
 
     def due(self) -> bool:
         """Whether ``every_s`` seconds of wall time have passed since the last pilot (or since construction)."""
