@@ -12,9 +12,12 @@ mean and max of ``|log(factor / twin speed)|`` over all of them. Rules:
   on the same side, else 1 (``workbench.runner.agreed_factor``; the rule before pilot probes);
 - ``ends``: the geometric mean over every probe before and after the runs;
 - ``pilots``: the pilot probes timed between the runs' own steps (``workbench.runner.during_factor``; the rule
-  a run applies when it has them).
+  a run applies to large steps when it has them);
+- ``pooled``: every probe of the class, before, after and between the runs' steps, each timing one sample,
+  through ``during_factor`` (the rule a run applies to small steps when it has pilots:
+  ``workbench.runner.POOLED_CLASSES``).
 
-Runs made before pilot probes existed have no ``pilots`` figure. Usage::
+Runs made before pilot probes existed have no ``pilots`` or ``pooled`` figure. Usage::
 
     python benchmarks/drift_rules.py reports/runs/ci-fidelity [more run folders ...]
 """
@@ -47,7 +50,8 @@ def rules(steps: list[dict], cls: str) -> dict[str, float | None]:
     phase = {ph: ratio([p for p in mine if p["phase"] == ph]) for ph in ("before", "after", "during")}
     ends = ratio([p for p in mine if p["phase"] in ("before", "after")])
     return {"none": 1.0, "agreed": agreed_factor(phase["before"], phase["after"], ends), "ends": ends,
-            "pilots": during_factor(phase["during"]) if phase["during"] is not None else None}
+            "pilots": during_factor(phase["during"]) if phase["during"] is not None else None,
+            "pooled": during_factor(ratio(mine)) if phase["during"] is not None else None}
 
 
 def main(paths: list[str]) -> None:

@@ -255,9 +255,9 @@ def test_drift_rescales_only_what_the_probes_before_and_after_agree_on():
 
 
 def test_drift_takes_the_pilot_probes_of_the_runs_where_there_are_some():
-    """Pilot probes timed between the runs' own steps sample the phases of the machine the runs were in: a
-    class with pilots takes their speed ratio (beyond the margin), whatever the probes at the ends say; the
-    ratios of the ends stay as they were measured."""
+    """Pilot probes timed between the runs' own steps sample the phases of the machine the runs were in: the
+    large class takes their speed ratio (beyond the margin), whatever the probes at the ends say, the small
+    class the pilots' and the ends' timings pooled; the ratios of the ends stay as they were measured."""
     from engines.sim.cost_model import step_features
     from engines.sim.profiler import PILOT_PROBES, PROBE_GRID, grid_batch
     from workbench.runner import DRIFT_MARGIN, drift, during_factor
@@ -278,7 +278,11 @@ def test_drift_takes_the_pilot_probes_of_the_runs_where_there_are_some():
     during += [probe(large, x, "during", t) for t, x in enumerate((0.9, 1.1, 1.0 + DRIFT_MARGIN / 4))]
     d = drift(cm, [{"gemm_gflops": 100.0, "steps": ends + during}])
     assert d["n_pilots"] == 6 and d["during"]["small"] == pytest.approx(1.2, rel=2e-3)
-    assert d["scale_small"] == pytest.approx(d["during"]["small"]) and d["rescaled"]
+    # small steps take the pilots and the probes at the ends pooled, every timing one sample
+    n_small = sum(f["tokens"] <= 8 for f in feats)  # probes of the small class at each end
+    pooled = math.exp((n_small * math.log(0.8) + math.log(1.15 * 1.25 * 1.2)) / (2 * n_small + 3))
+    assert d["pooled"]["small"] == pytest.approx(pooled) and d["scale_small"] == pytest.approx(pooled)
+    assert d["rescaled"]
     assert d["scale_large"] == 1.0  # the large pilots' ratio is within the margin (0.9 x 1.1 x 1.0025)
     assert d["before"]["small"] == pytest.approx(1.0) and d["after"]["large"] == pytest.approx(0.8)
     assert d["speed_ratio"] == pytest.approx(math.sqrt(0.8))  # the ends' probes only

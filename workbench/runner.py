@@ -273,6 +273,15 @@ DRIFT_MARGIN = 0.01  # rescale a sim engine's profile when the machine probes di
 DRIFT_MAX = 1.5  # ... but not past this factor either way: that is a profile of another machine, not drift
 
 
+# A class with pilot probes is rescaled by their ratio; small steps by the pilots' and the ends' probes pooled
+# (every timing one sample; the ends' are medians of three): the 4-row pilot's single timings are off their run's
+# mean by a median 9% (p90 26%), and over 23 sim engines of ten runs on a 2-core AMD EPYC (AVX-512) the pooled
+# ratio came nearer the twin's own small-step speed, mean |log(factor / twin's speed)| 0.038 against the pilots'
+# 0.053 (rms 0.046 against 0.065; benchmarks/drift_rules.py); large steps by the pilots alone (0.017 against
+# pooled 0.022 on the same engines)
+POOLED_CLASSES = ("small",)
+
+
 def twin_of(name: str, policy: str, engines: dict) -> str | None:
     """A sim engine's real counterpart: the real engine named like it without the ``sim-`` prefix
     (``sim-paged-nocache`` -> ``paged-nocache``) when there is one of the same policy, else the first real
@@ -316,9 +325,10 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     over the small (memory-bound) and the large (compute-bound) probe steps apart (``speed_ratio_small``,
     ``speed_ratio_large``; ``engines.sim.profiler.probe_ratios``), and each apart for the probes ``before``
     and ``after`` the runs, and ``during`` them (the pilot probes between the runs' own steps; ``n_pilots``
-    timings; not in the three ratios above). The factors applied (``scale_small``, ``scale_large``) are, for a
-    class with pilot probes, theirs (:func:`during_factor`), else those that the probes before and after agree
-    on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
+    timings; not in the three ratios above), and ``pooled``: the same over every probe timing of the three
+    phases. The factors applied (``scale_small``, ``scale_large``) are, for a class with pilot probes,
+    :func:`during_factor` of its reading: the pooled ratio for small steps, the pilots' alone for large ones
+    (:data:`POOLED_CLASSES`); else those that the probes before and after agree on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
     beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is
     left as it is and the run says so). A step of more tokens than the large pilot takes ``scale_large`` raised
     to ``engines.sim.cost_model.pilot_elasticity`` (``pilot_elasticity``: its knots)."""
@@ -327,13 +337,15 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     steps = [p for run in probes for p in run["steps"]]
     r = probe_ratios(cm, [p for p in steps if p.get("phase") != "during"])
     phases = {ph: probe_ratios(cm, [p for p in steps if p.get("phase") == ph]) for ph in ("before", "after", "during")}
-    scale = {c: during_factor(phases["during"][c]) if phases["during"][c] is not None
+    pooled = probe_ratios(cm, steps)
+    reading = {c: pooled[c] if c in POOLED_CLASSES else phases["during"][c] for c in ("small", "large")}
+    scale = {c: during_factor(reading[c]) if phases["during"][c] is not None
              else agreed_factor(phases["before"][c], phases["after"][c], r[c]) for c in ("small", "large")}
     parts = [x for x in (r["small"], r["large"], phases["during"]["small"], phases["during"]["large"]) if x is not None]
     beyond = any(not 1 / DRIFT_MAX <= x <= DRIFT_MAX for x in parts)
     rescaled = any(f != 1.0 for f in scale.values()) and not beyond
     return {"speed_ratio": r["all"], "speed_ratio_small": r["small"], "speed_ratio_large": r["large"],
-            "before": phases["before"], "after": phases["after"], "during": phases["during"],
+            "before": phases["before"], "after": phases["after"], "during": phases["during"], "pooled": pooled,
             "n_pilots": sum(p.get("phase") == "during" for p in steps),
             "scale_small": scale["small"] if rescaled else 1.0, "scale_large": scale["large"] if rescaled else 1.0,
             "reference": "baseline" if cm.probe_baseline else "prediction",
