@@ -273,12 +273,12 @@ DRIFT_MARGIN = 0.01  # rescale a sim engine's profile when the machine probes di
 DRIFT_MAX = 1.5  # ... but not past this factor either way: that is a profile of another machine, not drift
 
 
-# A class with pilot probes is rescaled by their ratio; small steps by the pilots' and the ends' probes pooled
-# (every timing one sample; the ends' are medians of three): the 4-row pilot's single timings are off their run's
-# mean by a median 9% (p90 26%), and over 23 sim engines of ten runs on a 2-core AMD EPYC (AVX-512) the pooled
-# ratio came nearer the twin's own small-step speed, mean |log(factor / twin's speed)| 0.038 against the pilots'
-# 0.053 (rms 0.046 against 0.065; benchmarks/drift_rules.py); large steps by the pilots alone (0.017 against
-# pooled 0.022 on the same engines)
+# Where a run has pilot probes, large steps are rescaled by the pilots' ratio alone and small steps by the
+# pilots' and the end probes' timings pooled (every timing one sample; the ends' are medians of three): the 4-row
+# pilot's single timings are off their run's mean by a median 9% (p90 26%), and over 23 sim engines of ten runs on
+# a 2-core AMD EPYC (AVX-512) the pooled ratio came nearer the twin's own small-step speed, mean
+# |log(factor / twin's speed)| 0.038 against the pilots' 0.053 (rms 0.046 against 0.065;
+# benchmarks/drift_rules.py); for large steps the pilots alone came nearer (0.017 against pooled 0.022)
 POOLED_CLASSES = ("small",)
 
 
@@ -328,10 +328,11 @@ def drift(cm: CostModel, probes: list[dict], source: str | None = None) -> dict:
     timings; not in the three ratios above), and ``pooled``: the same over every probe timing of the three
     phases. The factors applied (``scale_small``, ``scale_large``) are, for a class with pilot probes,
     :func:`during_factor` of its reading: the pooled ratio for small steps, the pilots' alone for large ones
-    (:data:`POOLED_CLASSES`); else those that the probes before and after agree on (:func:`agreed_factor`); ``rescaled`` when either is not 1, unless a ratio is
-    beyond :data:`DRIFT_MAX` either way (``beyond_max``: the profile does not describe this machine; it is
-    left as it is and the run says so). A step of more tokens than the large pilot takes ``scale_large`` raised
-    to ``engines.sim.cost_model.pilot_elasticity`` (``pilot_elasticity``: its knots)."""
+    (:data:`POOLED_CLASSES`); else those that the probes before and after agree on (:func:`agreed_factor`);
+    ``rescaled`` when either is not 1, unless a ratio is beyond :data:`DRIFT_MAX` either way (``beyond_max``: the
+    profile does not describe this machine; it is left as it is and the run says so). A step of more tokens than
+    the large pilot takes ``scale_large`` raised to ``engines.sim.cost_model.pilot_elasticity``
+    (``pilot_elasticity``: its knots)."""
     from engines.sim.profiler import probe_reference, probe_ratios
 
     steps = [p for run in probes for p in run["steps"]]
