@@ -51,7 +51,7 @@ EXPONENTS = (0.0, 0.5, 1.0)
 
 def measure(seconds: float) -> dict[str, list[float]]:
     """``{subject or "pilot small" / "pilot large": [seconds of each run]}``, one run of each subject per round,
-    each followed by one run of each pilot probe; the first round untimed (warm-up)."""
+    each followed by one run of each pilot probe, after one untimed run of every step (warm-up)."""
     ex = ModelExecutor(LlamaModel.from_dir(resolve_model("smollm2-135m"), torch.float32), 65536 // 16, 16)
     batches = {k: grid_batch(s, 16, 65536 // 16) for k, s in SUBJECTS.items()}
     pilots = {name: grid_batch(PROBE_GRID[i], 16, 65536 // 16) for name, i in zip(("pilot small", "pilot large"),
@@ -82,6 +82,7 @@ def analyse(rec: dict[str, list[float]]) -> dict:
     rounds = len(pil) // n_sub
     # the large pilot's timings by round, one after each subject: pil_r[round, subject]
     pil_r = pil[: rounds * n_sub].reshape(rounds, n_sub)
+    x_round = pil_r.mean(axis=1)
     out = {}
     for j, k in enumerate(SUBJECTS):
         y = np.log(rec[k][:rounds])
@@ -90,7 +91,6 @@ def analyse(rec: dict[str, list[float]]) -> dict:
         near = np.where(i > 0, (pil[np.maximum(i - 1, 0)] + pil[i]) / 2, pil[i])
         row = {"median_ms": float(np.median(np.exp(y)) * 1e3), "sd_log": float(y.std()), "windows": {},
                "sd_after_normalization": {}}
-        x_round = pil_r.mean(axis=1)
         for w in WINDOWS:
             m = rounds // w
             if m < 3:

@@ -97,11 +97,12 @@ SCALE_LARGE_TOKENS = 32  # ... and steps from this many on ``speed_scale_large``
 
 # How far a large step's time follows the large pilot probe (a 128-token prefill) when the machine's speed moves:
 # as the exponent of the pilot's factor, 1 up to the pilot's own size, log-linear down to PILOT_ELASTICITY_FLOOR
-# at PILOT_ELASTICITY_FLOOR_TOKENS and that beyond. Measured with ``benchmarks/pilot_elasticity.py`` (slopes of
-# log step time on log pilot time over windows of 4-8 rounds, two runs of 5-6 min) on a 2-core AMD EPYC (AVX-512):
-# a 128-token prefill 1.01-1.02 (the pilot's own shape), prefills of 512, 2 x 512 and 8 x 333 tokens 0.48-0.57;
-# and in real runs (three repeats of each of 16 engines, each engine's repeats against their own mean, so the
-# profile's error at a shape drops out) steps of 32-127 tokens 0.99, 128-511 0.60, 512-2,047 0.56, 2,048 and
+# at PILOT_ELASTICITY_FLOOR_TOKENS and that beyond. Measured with ``benchmarks/pilot_elasticity.py --seconds 360``
+# (slopes of log step time on log pilot time over windows of 4-8 rounds) on a 2-core AMD EPYC (AVX-512): a
+# 128-token prefill 1.01-1.02 (the pilot's own shape), prefills of 512, 2 x 512 and 8 x 333 tokens 0.49-0.57 (an
+# earlier script of the same design, not kept: 0.41-0.66); and in real runs (an analysis script not kept: three
+# repeats of each of 16 engines, each engine's repeats against their own mean, so the profile's error at a shape
+# drops out) steps of 32-127 tokens 0.99, 128-511 0.60, 512-2,047 0.56, 2,048 and
 # more 0.43. Dividing a 512- to 2,664-token step's single runs by the pilot's speed took their spread from
 # 0.042-0.051 to 0.041-0.055 at exponent 1 and to 0.019-0.022 at 0.5.
 PILOT_LARGE_TOKENS = 128  # the large pilot probe: a prefill of this many tokens (engines.sim.profiler.PILOT_PROBES)
