@@ -286,6 +286,39 @@ def test_real_spread_says_whether_the_sim_is_within_the_real_repeats():
     assert "1 of 2 figures within the real repeats' range" in summary_line(err)
 
 
+def test_real_spread_says_which_bounds_the_real_mean_cannot_pin():
+    """With the repeats' std: the relative standard error of the real mean, and for a bounded figure whether two
+    of them fit in the bound and how many repeats would make them fit (the quickstart's TPOT p50 over three
+    paged repeats on a 2-core AMD EPYC: 306, 304 and 188 ms)."""
+    import math
+
+    from workbench.fidelity import real_spread, summary_line, unresolved
+
+    tpot = [306.1, 304.4, 188.5]
+    mean, std = sum(tpot) / 3, statistics.stdev(tpot)
+    real = {"output_throughput": 108.1, "tpot_ms": {"p50": mean}, "itl_ms": {"p90": 100.0},
+            "repeats": {"n": 3, "metrics": {
+                "output_throughput": {"mean": 108.1, "std": 2.49, "min": 105.2, "max": 109.7, "spread": 0.042},
+                "tpot_ms.p50": {"mean": mean, "std": std, "min": 188.5, "max": 306.1, "spread": 0.44},
+                "itl_ms.p90": {"mean": 100.0, "std": 30.0, "min": 70.0, "max": 130.0, "spread": 0.6}}}}
+    sim = {"output_throughput": 107.7, "tpot_ms": {"p50": 224.3}, "itl_ms": {"p90": 99.0}}
+    got = real_spread(sim, real)
+    thr, tp = got["output_throughput"], got["tpot_ms.p50"]
+    assert thr["sem"] == pytest.approx(2.49 / 108.1 / math.sqrt(3))
+    assert thr["resolvable"] is True and thr["bound"] == 0.05 and thr["repeats_for_bound"] == 2  # (2 x 2.3% / 5%)^2 < 1
+    assert tp["sem"] == pytest.approx(std / mean / math.sqrt(3)) and tp["sem"] > 0.14
+    assert tp["resolvable"] is False and tp["bound"] == 0.10
+    assert tp["repeats_for_bound"] == math.ceil((2 * std / mean / 0.10) ** 2) == 26
+    assert "bound" not in got["itl_ms.p90"] and "sem" in got["itl_ms.p90"]  # no bound on ITL p90
+    assert list(unresolved(got)) == ["tpot_ms.p50"]
+    err = {"real_engine": "paged", "step": {}, "request": {}, "real_spread": got,
+           "dist": {"output_throughput": -0.004, **{m: {"p50": 0.0, "p99": 0.0} for m in
+                                                   ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
+    assert "not pinned to its bound (2 standard errors) for TPOT p50 (+/-29%; 26 repeats would)" in summary_line(err)
+    one = {**real, "repeats": {"n": 1, "metrics": real["repeats"]["metrics"]}}
+    assert "sem" not in real_spread(sim, one)["tpot_ms.p50"]  # one run has no standard error
+
+
 def test_sensitivity_is_the_mean_relative_move_per_unit_of_step_time():
     from workbench.fidelity import FIGURE_BOUNDS, sensitivity, summary_line
 
@@ -377,6 +410,41 @@ def test_pilot_probes_take_the_machines_phases_out_of_the_profile(monkeypatch):
     assert sum(abs(x / m - 1) < 0.01 for x in steady_ratio) >= 9 and max(steady_ratio) / min(steady_ratio) < 1.1
     assert max(cv for *_, cv in steady) > 0.1  # the spread stays that of the raw timings, phases and all
 
+
+
+def test_large_grid_steps_skip_the_last_pass_when_their_two_runs_agree(monkeypatch):
+    """With ``large_s``, a step of at least that many seconds whose first two speed-adjusted runs agree within
+    ``LARGE_AGREE`` is timed twice (its figure their mean); one whose second run was 20% slower on a machine of
+    steady speed gets its third run, and the median of the three; steps under ``large_s`` keep every pass."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from engines.sim import profiler
+    from engines.sim.profiler import LARGE_AGREE, PilotProbe, profile_rows
+
+    assert 0 < LARGE_AGREE < 0.2
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    grid = [GridStep(prefills=((512, 0),)), GridStep(prefills=((1024, 0),)), GridStep(4, 64)]
+    calls = Counter()
+
+    class SteadyExecutor:  # seconds = tokens / 1000; the 1,024-token prefill's second run is 20% slow
+        kv = SimpleNamespace(block_size=16, num_blocks=256)
+
+        def execute(self, out):
+            tokens = sum(len(s.token_ids) for s in out.seqs)
+            key = None if out.seqs[0].block_table[0] == 256 else tokens  # the pilots run on the scratch block
+            calls[key] += 1
+            clock.now += tokens / 1000 * (1.2 if key == 1024 and calls[key] == 2 else 1.0)
+
+    ex = SteadyExecutor()
+    pilot = PilotProbe(ex, every_s=0.0)
+    rows = profile_rows(ex, grid, repeats=3, pilot=pilot, large_s=0.5)
+    assert calls[512] == 2 and calls[1024] == 3 and calls[4] == 4  # the decode: a warm-up and three runs
+    assert rows[0][1] == pytest.approx(0.512, rel=0.02) and rows[1][1] == pytest.approx(1.024, rel=0.02)
+    calls.clear()
+    profile_rows(ex, grid, repeats=3, pilot=PilotProbe(ex, every_s=0.0))  # without large_s: every pass
+    assert calls[512] == 3 and calls[1024] == 3
 
 def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_class():
     """The speed of the twin's own steps is taken against the profile without its drift factors: small steps

@@ -137,7 +137,7 @@ def profile(model: str = typer.Option("smollm2-135m", help="model name or folder
             out: Optional[str] = typer.Option(None, "--out", help="profile JSON to write (default: this machine's "
                                               "cache entry, $WORKBENCH_CACHE/profiles/, which cost_model: auto reads)"),
             dtype: str = typer.Option("float32", help="float32 or bfloat16"),
-            quick: bool = typer.Option(False, help="the small grid (about 70 s on 2 cores; the full one 2.5-3 minutes)"),
+            quick: bool = typer.Option(False, help="the small grid (about 70 s on 2 cores; the full one about 2 minutes)"),
             repeats: int = typer.Option(3, help="timed runs per grid step (median)"),
             weight_dtype: Optional[str] = typer.Option(None, "--weight-dtype", help="fp32 | bf16 | int8 | int4 "
                                                        "(default: the dense weights of --dtype)")) -> None:

@@ -31,7 +31,7 @@ FORMULAS = {
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
     "sim_error.sensitivity": "how much each figure moves when every simulated step is slower by step_time_change (5%): the sim engine is run again with its cost model's predictions times 1 + step_time_change, with the same noise seeds as its runs; elasticity[figure] = mean over the seeds of (slowed / as run - 1) / step_time_change (1.0: the figure moves as much as the step time; 5.0: five times as much); step_error_for_bound[figure] = bound / |elasticity|: the largest error of the step times that keeps the figure within its bound (the bounds: 5% throughput, 10% p50s, 15% p99s)",
     "sim_error.speed_matched": "the sim engine run again (same noise seeds) at the speed its real twin's own steps ran, to tell the cost model's and scheduler's error from the machine's drift: scale_small = geometric mean over the twin's steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens of measured (duration + overhead) / the profile's prediction without drift factors, scale_large the same over steps of at least SCALE_LARGE_TOKENS tokens (CostModel.scale interpolates between); dist and request as sim_error.dist and sim_error.request for that run; step as sim_error.step with the cost model at that speed (what is left is the error of the step shapes, the machine's mean speed over the run taken out). The real run's own timings inform it, so it is a diagnostic, not a prediction: a what-if has no real run to take its speed from",
-    "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat",
+    "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat; sem = std / mean / sqrt(n) (std with n - 1): the relative standard error of the real mean that the sim is compared with; for a figure with a bound (bound: 5% throughput, 10% p50s, 15% p99s): resolvable = 2 x sem <= bound (the real mean itself is pinned to within the bound, about 95% for a normal spread), repeats_for_bound = ceil((2 x std / mean / bound)^2), at least 2: the real repeats that would pin it so, at this spread",
 }
 
 
@@ -189,10 +189,17 @@ def dist_errors(sim: dict, real: dict) -> dict:
 def real_spread(sim: dict, real: dict) -> dict | None:
     """For each figure of :func:`dist_errors` that the real twin repeated: its repeat-to-repeat ``spread``
     ((max - min) / mean over the repeats) and whether the simulated value lies within the repeats' range
-    (``within_range``), keyed ``output_throughput`` and ``<metric>.<stat>``; None without repeats."""
+    (``within_range``), keyed ``output_throughput`` and ``<metric>.<stat>``; None without repeats. With the
+    repeats' ``std`` and two or more of them, also the relative standard error of their mean (``sem``) and, for a
+    figure of :data:`FIGURE_BOUNDS`, whether that mean is itself pinned to within the bound (``resolvable``: 2 x
+    sem <= bound) and how many repeats would pin it at this spread (``repeats_for_bound``;
+    ``FORMULAS["sim_error.real_spread"]``). A figure whose real repeats scatter widely, such as a TPOT p50 that
+    lands in one of two modes by the order in which a burst of arrivals meets the steps, cannot be held to a
+    10% bound against the mean of three."""
     rep = ((real.get("repeats") or {}).get("metrics")) or {}
     if not rep:
         return None
+    n = (real.get("repeats") or {}).get("n") or 0
     out = {}
     for key in ["output_throughput"] + [f"{m}.{k}" for m in DIST_METRICS for k in DIST_STATS]:
         metric, _, stat = key.partition(".")
@@ -202,7 +209,20 @@ def real_spread(sim: dict, real: dict) -> dict | None:
         if r is None or s is None:
             continue
         out[key] = {"spread": r["spread"], "within_range": bool(r["min"] <= s <= r["max"])}
+        if r.get("std") is not None and r.get("mean") and n > 1:
+            cv = r["std"] / abs(r["mean"])
+            out[key]["sem"] = cv / math.sqrt(n)
+            bound = FIGURE_BOUNDS.get(key)
+            if bound is not None:
+                out[key].update(bound=bound, resolvable=bool(2 * out[key]["sem"] <= bound),
+                                repeats_for_bound=max(2, math.ceil((2 * cv / bound) ** 2 - 1e-9)))
     return out
+
+
+def unresolved(spread: dict | None) -> dict[str, dict]:
+    """The bounded figures of a :func:`real_spread` whose real mean is not pinned to within the bound (2 standard
+    errors beyond it): key -> its entry."""
+    return {k: v for k, v in (spread or {}).items() if v.get("resolvable") is False}
 
 
 SENSITIVITY_STEP = 0.05  # the step-time change of the sensitivity runs
@@ -287,6 +307,14 @@ def sim_error(cost_model, sim_summary: dict, sim_runs: list, real_name: str, rea
             "real_spread": real_spread(sim_summary, real_summary)}
 
 
+def figure_name(key: str) -> str:
+    """``tpot_ms.p50`` -> ``TPOT p50``; ``output_throughput`` -> ``throughput``."""
+    if key == "output_throughput":
+        return "throughput"
+    metric, _, stat = key.partition(".")
+    return f"{metric.removesuffix('_ms').upper()} {stat}"
+
+
 def summary_line(err: dict) -> str:
     """One terminal line of a ``sim_error``."""
     def pct(x):
@@ -306,6 +334,11 @@ def summary_line(err: dict) -> str:
     if spread:
         inside = sum(v["within_range"] for v in spread.values())
         parts.append(f"{inside} of {len(spread)} figures within the real repeats' range")
+        loose = unresolved(spread)
+        if loose:
+            parts.append("the real mean itself is not pinned to its bound (2 standard errors) for " + ", ".join(
+                f"{figure_name(k)} (+/-{2 * v['sem']:.0%}; {v['repeats_for_bound']} repeats would)"
+                for k, v in loose.items()))
     sens = (err.get("sensitivity") or {}).get("elasticity")
     if sens:
         step = err["sensitivity"]["step_time_change"]
@@ -335,4 +368,4 @@ def summary_line(err: dict) -> str:
 
 
 __all__ = ["FIGURE_BOUNDS", "FORMULAS", "SENSITIVITY_STEP", "dist_errors", "figure", "sensitivity", "real_spread", "repeat_shape_errors", "request_errors", "shape_key", "sim_error", "speed_matched_errors", "step_errors", "twin_speed",
-           "summary_line"]
+           "summary_line", "unresolved", "figure_name"]

@@ -272,6 +272,17 @@ def _within(spread: dict | None) -> str:
     return f"{sum(v['within_range'] for v in spread.values())} of {len(spread)}"
 
 
+def _unpinned(spread: dict | None) -> str:
+    """The bounded figures whose real mean is not pinned to within the bound, with the repeats that would pin
+    them (``workbench.fidelity.unresolved``); ``none`` or n/a without repeats."""
+    from workbench.fidelity import figure_name, unresolved
+
+    if not spread or not any("sem" in v for v in spread.values()):
+        return "n/a"
+    loose = unresolved(spread)
+    return ", ".join(f"{figure_name(k)} ({v['repeats_for_bound']})" for k, v in loose.items()) or "none"
+
+
 def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
     """The sim-vs-real error table (``summary.sim_error``, see ``workbench.fidelity``): one row per sim engine,
     signed errors of the distribution, per-request MAPEs (and the real repeats' own, leave one out), the step
@@ -284,7 +295,8 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
                "request E2EL MAPE among the real repeats", "step MAPE",
                "step per-shape median MAPE", "the same at the twin's own speed",
                "the same against one real repeat", "the other real repeats against one", "step noise floor",
-               "figures within the real repeats' range"]
+               "figures within the real repeats' range",
+               "bounds the real mean cannot pin (the repeats that would)"]
     rows = []
     for n, e in results["engines"].items():
         err = e["summary"].get("sim_error")
@@ -300,7 +312,7 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
                      pct(((err.get("speed_matched") or {}).get("step") or {}).get("shape_median_mape"), False),
                      pct(st.get("shape_median_mape_per_repeat"), False), pct(st.get("repeat_shape_median_mape"), False),
                      pct(st.get("noise_floor"), False),
-                     _within(err.get("real_spread"))])
+                     _within(err.get("real_spread")), _unpinned(err.get("real_spread"))])
     return headers, rows
 
 

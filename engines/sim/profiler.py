@@ -3,8 +3,8 @@
 Each grid point is a synthetic ``SchedulerOutput`` of the shapes the engines produce (single and
 multi-prompt prefills, chunks after cached context, decode batches over rows x context, mixed
 prefill + decode steps, static batches with padding rows) run through the real ``ModelExecutor``: ``repeats``
-timed runs (after an untimed warm-up for steps under ``CHEAP_STEP_S``), of which the median is kept and the
-relative spread recorded.
+timed runs (after an untimed warm-up for steps under ``CHEAP_STEP_S``; steps of at least ``LARGE_STEP_S`` skip the
+last run where their first two agree), of which the median is kept and the relative spread recorded.
 The LM head is timed on its own per row count, and the engine's CPU work around the executor (scheduling,
 updates) by running the real paged scheduler with a null executor.
 """
@@ -145,11 +145,19 @@ def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOut
 
 CHEAP_STEP_S = 0.15  # grid steps faster than this get CHEAP_REPEATS runs in all (see profile_rows)
 CHEAP_REPEATS = 9
+# grid steps of at least LARGE_STEP_S take a last pass only where their first two runs, each divided by the
+# machine's speed at its time (the pilots'), differ by more than LARGE_AGREE of their mean: on a 2-core AMD EPYC
+# (AVX-512) the full grid's 16 steps of at least 0.5 s, timed in 6 shuffled passes with pilots, landed a mean
+# 1.3% (max 4.2%) from the median of all 6 by this rule against 1.5% (max 4.1%) by the median of 3 passes, with 4
+# of 32 triples taking the third run; the last pass of those steps is about 24 s of the full grid's 2.5 minutes
+LARGE_STEP_S = 0.5
+LARGE_AGREE = 0.05
 
 
 def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
                  progress: Callable[[], None] | None = None, cheap_repeats: int | None = None,
-                 cheap_s: float = CHEAP_STEP_S, pilot: "PilotProbe | None" = None) -> list[tuple[dict, float, float]]:
+                 cheap_s: float = CHEAP_STEP_S, pilot: "PilotProbe | None" = None,
+                 large_s: float | None = None) -> list[tuple[dict, float, float]]:
     """Time ``executor`` on every grid step; returns ``(features, median seconds, relative spread)`` rows.
 
     The grid is timed in ``repeats`` passes, each over every step in its own shuffled order (seeded), one timed
@@ -162,7 +170,10 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
     whenever it is due, as between a real run's steps (its records are the profile's pilot baseline); each
     timing is then divided by the machine's speed at its time against the mean over the passes
     (``PilotProbe.speed_at``) before the median is taken, so a step whose few runs fell in a slow or fast phase
-    of the machine does not bend the fit there (the relative spread stays that of the raw timings).
+    of the machine does not bend the fit there (the relative spread stays that of the raw timings). With
+    ``large_s`` (and ``pilot``; 3 or more ``repeats``), a step whose runs so far took at least ``large_s`` seconds
+    each skips the remaining passes when its first two runs, divided by the machine's speed at their times, agree
+    within :data:`LARGE_AGREE` (its figure is then their mean; see :data:`LARGE_STEP_S`).
 
     A step's first run of the first pass is its warm-up (untimed; first-call allocations and GEMM primitives of
     its row bucket) only when it took under ``cheap_s``; a larger step's first run counts, since its first-call
@@ -193,10 +204,21 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
         if pilot is not None and pilot.due():
             pilot(time.perf_counter())
 
+    def settled(i):  # a large step whose two speed-adjusted runs agree needs no third
+        if large_s is None or pilot is None or len(times[i]) < 2 or min(times[i]) < large_s:
+            return False
+        tokens = step_features(batches[i].seqs)["tokens"]
+        a, b = (t / pilot.speed_at(m, tokens) for t, m in zip(times[i][:2], mids[i][:2]))
+        return abs(a - b) <= LARGE_AGREE * (a + b) / 2
+
     for rep in range(repeats):
         order = list(range(len(grid)))
         random.Random(rep).shuffle(order)
         for i in order:
+            if rep >= 2 and settled(i):
+                if progress and rep == repeats - 1:
+                    progress()
+                continue
             timed(i)
             if rep == 0 and times[i][0] < cheap_s:  # that run was its warm-up
                 times[i].clear()
@@ -340,7 +362,8 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     # machine's mean speed over the time the fit was measured (a median of 3 runs of one step was up to 25%
     # off it), which the pilots between a run's steps are set against
     pilot = PilotProbe(executor)
-    rows = profile_rows(executor, grid + probes, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS, pilot=pilot)
+    rows = profile_rows(executor, grid + probes, repeats, progress=tick, cheap_repeats=CHEAP_REPEATS, pilot=pilot,
+                        large_s=LARGE_STEP_S)
     rows, probe_rows = rows[:len(grid)], rows[len(grid):]
     overhead = engine_overhead()
     tick()
@@ -363,7 +386,8 @@ def profile(executor, grid: list[GridStep] | None = None, repeats: int = 3, hold
     cm.fit_error = {"fit_mean_abs_rel": statistics.fmean(fit_errs), "fit_max_abs_rel": max(fit_errs),
                     "holdout_mean_abs_rel": statistics.fmean(held_errs), "holdout_max_abs_rel": max(held_errs),
                     "n_holdout": len(held), "n_points": len(rows), "repeats": repeats,
-                    "cheap_repeats": CHEAP_REPEATS, "cheap_step_s": CHEAP_STEP_S}
+                    "cheap_repeats": CHEAP_REPEATS, "cheap_step_s": CHEAP_STEP_S, "large_step_s": LARGE_STEP_S,
+                    "large_agree": LARGE_AGREE}
     cm.fit_error["points"] = [{"features": {k: v for k, v in f.items() if v and k != "const"}, "seconds": t,
                                "spread": cv, "predicted": cm.predict_exec(f)} for f, t, cv in rows]
     return cm
