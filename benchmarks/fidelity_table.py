@@ -12,9 +12,9 @@ throughput / TTFT p50 / TPOT p50 / E2EL p50 errors at the twin's own speed (``si
 figure past its bound (``workbench.fidelity.FIGURE_BOUNDS``; 12% for the per-request E2EL MAPE, 5% for the
 per-shape step medians: the simulator issue's bounds) is marked X. Then, per real engine, output throughput
 (mean of the repeats) and its repeat-to-repeat spread beside the GEMM probe's mean and spread, and the count of
-bounded figures met. A figure whose real mean is not pinned to within its bound (2 standard errors of the mean of
-the repeats; ``workbench.fidelity.real_spread``) has that margin beside it (``real +/-``), and the misses among
-such figures are counted apart.
+bounded figures met. A figure whose error the repeats do not pin to within its bound (2 standard errors of the
+real and simulated means together; ``workbench.fidelity.real_spread``) has that margin beside it (``+/-``), and
+the misses among such figures are counted apart.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
     """Table rows, real-engine lines, bounded figures and figures met of one results.json."""
     engines = results["engines"]
     out, real_lines, n, met = [], [], 0, 0
-    loose = [0]  # missed bounds whose real mean is not pinned to within them
+    loose = [0]  # missed bounds that the repeats do not pin the error to
     for name, e in engines.items():
         err = (e.get("summary") or {}).get("sim_error")
         if not err:
@@ -56,8 +56,8 @@ def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
         for key in COLUMNS:
             c, b, m = _pct(figure(err["dist"], key), FIGURE_BOUNDS[key])
             sp = spread.get(key) or {}
-            if sp.get("resolvable") is False:  # the real mean itself is loose by more than the bound
-                c += f" (real +/-{2 * sp['sem']:.0%})"
+            if sp.get("resolvable") is False:  # the means themselves are loose by more than the bound
+                c += f" (+/-{2 * sp['error_sem']:.0%})"
                 loose[0] += b and not m
             cells.append(c)
             n, met = n + b, met + m
@@ -114,8 +114,8 @@ def main(argv: list[str]) -> int:
     print()
     print("\n".join(lines))
     print(f"\n{total_met} of {total} bounded figures met" + (
-        f"; {total_loose} of the misses are figures whose real mean over the repeats is itself looser than the "
-        f"bound (2 standard errors; 'real +/-')" if total_loose else ""))
+        f"; {total_loose} of the misses are figures that the repeats do not pin to their bound (2 standard errors "
+        f"of the real and sim means: '+/-')" if total_loose else ""))
     if machine:
         print(f"machine: {machine.get('processor')}, {machine.get('cpu_capability')}, "
               f"{machine.get('torch_threads')} torch threads")

@@ -287,9 +287,9 @@ def test_real_spread_says_whether_the_sim_is_within_the_real_repeats():
 
 
 def test_real_spread_says_which_bounds_the_real_mean_cannot_pin():
-    """With the repeats' std: the relative standard error of the real mean, and for a bounded figure whether two
-    of them fit in the bound and how many repeats would make them fit (the quickstart's TPOT p50 over three
-    paged repeats on a 2-core AMD EPYC: 306, 304 and 188 ms)."""
+    """With the repeats' std: the relative standard error of the real mean (and of the sim's, where it ran several
+    seeds), and for a bounded figure whether two of them fit in the bound and how many repeats would make them fit
+    (the quickstart's TPOT p50 over three paged repeats on a 2-core AMD EPYC: 306, 304 and 188 ms)."""
     import math
 
     from workbench.fidelity import real_spread, summary_line, unresolved
@@ -310,13 +310,25 @@ def test_real_spread_says_which_bounds_the_real_mean_cannot_pin():
     assert tp["resolvable"] is False and tp["bound"] == 0.10
     assert tp["repeats_for_bound"] == math.ceil((2 * std / mean / 0.10) ** 2) == 26
     assert "bound" not in got["itl_ms.p90"] and "sem" in got["itl_ms.p90"]  # no bound on ITL p90
+    assert tp["error_sem"] == tp["sem"]  # a sim engine of one run adds no error of its own
     assert list(unresolved(got)) == ["tpot_ms.p50"]
     err = {"real_engine": "paged", "step": {}, "request": {}, "real_spread": got,
            "dist": {"output_throughput": -0.004, **{m: {"p50": 0.0, "p99": 0.0} for m in
                                                    ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}}}
-    assert "not pinned to its bound (2 standard errors) for TPOT p50 (+/-29%; 26 repeats would)" in summary_line(err)
+    assert ("do not pin the error to its bound (2 standard errors of the real and sim means) for TPOT p50 "
+            "(+/-29%; 26 repeats would)") in summary_line(err)
     one = {**real, "repeats": {"n": 1, "metrics": real["repeats"]["metrics"]}}
     assert "sem" not in real_spread(sim, one)["tpot_ms.p50"]  # one run has no standard error
+    # a sim engine run with three noise seeds adds its own standard error (relative to the real mean)
+    noisy = {**sim, "repeats": {"n": 3, "metrics": {"output_throughput": {"std": 3.0}, "tpot_ms.p50": {"std": 9.0}}}}
+    got = real_spread(noisy, real)
+    thr = got["output_throughput"]
+    assert thr["sim_sem"] == pytest.approx(3.0 / 108.1 / math.sqrt(3))
+    assert thr["error_sem"] == pytest.approx(math.hypot(thr["sem"], thr["sim_sem"]))
+    assert thr["resolvable"] is True and thr["repeats_for_bound"] == math.ceil(
+        (2 * math.hypot(2.49, 3.0) / 108.1 / 0.05) ** 2) == 3
+    assert got["tpot_ms.p50"]["repeats_for_bound"] == math.ceil((2 * math.hypot(std, 9.0) / mean / 0.10) ** 2)
+    assert "sim_sem" not in got["itl_ms.p90"]  # the sim engine did not report that figure's spread
 
 
 def test_sensitivity_is_the_mean_relative_move_per_unit_of_step_time():

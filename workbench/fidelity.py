@@ -31,7 +31,7 @@ FORMULAS = {
     "sim_error.dist": "(sim - real) / real of output_throughput and of each of mean, p50, p90, p99 of ttft_ms, tpot_ms, itl_ms, e2el_ms (real: the mean over the repeats)",
     "sim_error.sensitivity": "how much each figure moves when every simulated step is slower by step_time_change (5%): the sim engine is run again with its cost model's predictions times 1 + step_time_change, with the same noise seeds as its runs; elasticity[figure] = mean over the seeds of (slowed / as run - 1) / step_time_change (1.0: the figure moves as much as the step time; 5.0: five times as much); step_error_for_bound[figure] = bound / |elasticity|: the largest error of the step times that keeps the figure within its bound (the bounds: 5% throughput, 10% p50s, 15% p99s)",
     "sim_error.speed_matched": "the sim engine run again (same noise seeds) at the speed its real twin's own steps ran, to tell the cost model's and scheduler's error from the machine's drift: scale_small = geometric mean over the twin's steps of at most engines.sim.cost_model.SCALE_SMALL_TOKENS tokens of measured (duration + overhead) / the profile's prediction without drift factors, scale_large the same over steps of at least SCALE_LARGE_TOKENS tokens (CostModel.scale interpolates between); dist and request as sim_error.dist and sim_error.request for that run; step as sim_error.step with the cost model at that speed (what is left is the error of the step shapes, the machine's mean speed over the run taken out). The real run's own timings inform it, so it is a diagnostic, not a prediction: a what-if has no real run to take its speed from",
-    "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat; sem = std / mean / sqrt(n) (std with n - 1): the relative standard error of the real mean that the sim is compared with; for a figure with a bound (bound: 5% throughput, 10% p50s, 15% p99s): resolvable = 2 x sem <= bound (the real mean itself is pinned to within the bound, about 95% for a normal spread), repeats_for_bound = ceil((2 x std / mean / bound)^2), at least 2: the real repeats that would pin it so, at this spread",
+    "sim_error.real_spread": "with repeated real runs, per figure of sim_error.dist (output_throughput, <metric>.<stat>): spread = (max - min) / mean of the real repeats, within_range = min <= sim value <= max: an error smaller than the real engine's own repeat-to-repeat spread cannot be told from a repeat; sem = std / mean / sqrt(n) (std with n - 1): the relative standard error of the real mean that the sim is compared with; sim_sem = the sim engine's std over its noise seeds / the real mean / sqrt(its seeds), where it ran two or more; error_sem = sqrt(sem^2 + sim_sem^2): the standard error of the relative error; for a figure with a bound (bound: 5% throughput, 10% p50s, 15% p99s): resolvable = 2 x error_sem <= bound (the error is pinned to within the bound, about 95% for a normal spread), repeats_for_bound = ceil((2 x sqrt(std^2 + sim std^2) / real mean / bound)^2), at least 2: the repeats on each side that would pin it so, at these spreads",
 }
 
 
@@ -190,16 +190,20 @@ def real_spread(sim: dict, real: dict) -> dict | None:
     """For each figure of :func:`dist_errors` that the real twin repeated: its repeat-to-repeat ``spread``
     ((max - min) / mean over the repeats) and whether the simulated value lies within the repeats' range
     (``within_range``), keyed ``output_throughput`` and ``<metric>.<stat>``; None without repeats. With the
-    repeats' ``std`` and two or more of them, also the relative standard error of their mean (``sem``) and, for a
-    figure of :data:`FIGURE_BOUNDS`, whether that mean is itself pinned to within the bound (``resolvable``: 2 x
-    sem <= bound) and how many repeats would pin it at this spread (``repeats_for_bound``;
-    ``FORMULAS["sim_error.real_spread"]``). A figure whose real repeats scatter widely, such as a TPOT p50 that
-    lands in one of two modes by the order in which a burst of arrivals meets the steps, cannot be held to a
-    10% bound against the mean of three."""
+    repeats' ``std`` and two or more of them, also the relative standard error of their mean (``sem``), the same
+    of the sim engine's mean over its seeds where it ran several (``sim_sem``, relative to the real mean), their
+    root sum of squares (``error_sem``: the standard error of the relative error itself) and, for a figure of
+    :data:`FIGURE_BOUNDS`, whether that error is pinned to within the bound (``resolvable``: 2 x error_sem <=
+    bound) and how many repeats on each side would pin it at these spreads (``repeats_for_bound``;
+    ``FORMULAS["sim_error.real_spread"]``). A figure whose repeats scatter widely, such as a TPOT p50 that lands in
+    one of two modes by the order in which a burst of arrivals meets the steps, cannot be held to a 10% bound
+    with three of them."""
     rep = ((real.get("repeats") or {}).get("metrics")) or {}
     if not rep:
         return None
     n = (real.get("repeats") or {}).get("n") or 0
+    sim_rep = sim.get("repeats") or {}
+    n_sim = sim_rep.get("n") or 0
     out = {}
     for key in ["output_throughput"] + [f"{m}.{k}" for m in DIST_METRICS for k in DIST_STATS]:
         metric, _, stat = key.partition(".")
@@ -209,19 +213,26 @@ def real_spread(sim: dict, real: dict) -> dict | None:
         if r is None or s is None:
             continue
         out[key] = {"spread": r["spread"], "within_range": bool(r["min"] <= s <= r["max"])}
-        if r.get("std") is not None and r.get("mean") and n > 1:
-            cv = r["std"] / abs(r["mean"])
-            out[key]["sem"] = cv / math.sqrt(n)
-            bound = FIGURE_BOUNDS.get(key)
-            if bound is not None:
-                out[key].update(bound=bound, resolvable=bool(2 * out[key]["sem"] <= bound),
-                                repeats_for_bound=max(2, math.ceil((2 * cv / bound) ** 2 - 1e-9)))
+        if r.get("std") is None or not r.get("mean") or n < 2:
+            continue
+        cv = r["std"] / abs(r["mean"])
+        e = out[key]
+        e["sem"] = cv / math.sqrt(n)
+        sim_std = ((sim_rep.get("metrics") or {}).get(key) or {}).get("std")
+        sim_cv = sim_std / abs(r["mean"]) if sim_std is not None and n_sim > 1 else 0.0
+        if sim_std is not None and n_sim > 1:
+            e["sim_sem"] = sim_cv / math.sqrt(n_sim)
+        e["error_sem"] = math.hypot(e["sem"], e.get("sim_sem", 0.0))
+        bound = FIGURE_BOUNDS.get(key)
+        if bound is not None:
+            e.update(bound=bound, resolvable=bool(2 * e["error_sem"] <= bound),
+                     repeats_for_bound=max(2, math.ceil((2 * math.hypot(cv, sim_cv) / bound) ** 2 - 1e-9)))
     return out
 
 
 def unresolved(spread: dict | None) -> dict[str, dict]:
-    """The bounded figures of a :func:`real_spread` whose real mean is not pinned to within the bound (2 standard
-    errors beyond it): key -> its entry."""
+    """The bounded figures of a :func:`real_spread` whose error is not pinned to within the bound (2 standard
+    errors of the real and simulated means beyond it): key -> its entry."""
     return {k: v for k, v in (spread or {}).items() if v.get("resolvable") is False}
 
 
@@ -336,9 +347,10 @@ def summary_line(err: dict) -> str:
         parts.append(f"{inside} of {len(spread)} figures within the real repeats' range")
         loose = unresolved(spread)
         if loose:
-            parts.append("the real mean itself is not pinned to its bound (2 standard errors) for " + ", ".join(
-                f"{figure_name(k)} (+/-{2 * v['sem']:.0%}; {v['repeats_for_bound']} repeats would)"
-                for k, v in loose.items()))
+            parts.append("the repeats do not pin the error to its bound (2 standard errors of the real and sim "
+                         "means) for " + ", ".join(
+                             f"{figure_name(k)} (+/-{2 * v['error_sem']:.0%}; {v['repeats_for_bound']} repeats would)"
+                             for k, v in loose.items()))
     sens = (err.get("sensitivity") or {}).get("elasticity")
     if sens:
         step = err["sensitivity"]["step_time_change"]

@@ -273,8 +273,8 @@ def _within(spread: dict | None) -> str:
 
 
 def _unpinned(spread: dict | None) -> str:
-    """The bounded figures whose real mean is not pinned to within the bound, with the repeats that would pin
-    them (``workbench.fidelity.unresolved``); ``none`` or n/a without repeats."""
+    """The bounded figures whose error the repeats do not pin to within the bound, with the repeats that would
+    pin them (``workbench.fidelity.unresolved``); ``none`` or n/a without repeats."""
     from workbench.fidelity import figure_name, unresolved
 
     if not spread or not any("sem" in v for v in spread.values()):
@@ -296,7 +296,7 @@ def sim_error_rows(results: dict) -> tuple[list[str], list[list]]:
                "step per-shape median MAPE", "the same at the twin's own speed",
                "the same against one real repeat", "the other real repeats against one", "step noise floor",
                "figures within the real repeats' range",
-               "bounds the real mean cannot pin (the repeats that would)"]
+               "bounds the repeats cannot pin (the repeats that would)"]
     rows = []
     for n, e in results["engines"].items():
         err = e["summary"].get("sim_error")
