@@ -41,11 +41,12 @@ def _pct(x: float | None, bound: float | None = None) -> tuple[str, int, int]:
     return cell + ("" if ok else " X"), 1, int(ok)
 
 
-def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
-    """Table rows, real-engine lines, bounded figures and figures met of one results.json."""
+def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int, int]:
+    """Table rows, real-engine lines, bounded figures, figures met and misses among figures the repeats do not pin
+    of one results.json."""
     engines = results["engines"]
     out, real_lines, n, met = [], [], 0, 0
-    loose = [0]  # missed bounds that the repeats do not pin the error to
+    loose = 0  # missed bounds that the repeats do not pin the error to
     for name, e in engines.items():
         err = (e.get("summary") or {}).get("sim_error")
         if not err:
@@ -58,7 +59,7 @@ def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
             sp = spread.get(key) or {}
             if sp.get("resolvable") is False:  # the means themselves are loose by more than the bound
                 c += f" (+/-{2 * sp['error_sem']:.0%})"
-                loose[0] += b and not m
+                loose += b and not m
             cells.append(c)
             n, met = n + b, met + m
         rq = err["request"]
@@ -90,7 +91,7 @@ def rows(label: str, results: dict) -> tuple[list[str], list[str], int, int]:
             f"- {label} {real}: {rs.get('output_throughput', float('nan')):.1f} tok/s"
             + (f" (spread {thr['spread']:.1%} over {rep.get('n')} repeats" if thr else " (one run")
             + (f"; GEMM probe {gemm['mean']:.0f} GFLOP/s, spread {gemm['spread']:.1%})" if gemm else ")"))
-    return out, real_lines, n, met, loose[0]
+    return out, real_lines, n, met, loose
 
 
 def main(argv: list[str]) -> int:

@@ -423,7 +423,6 @@ def test_pilot_probes_take_the_machines_phases_out_of_the_profile(monkeypatch):
     assert max(cv for *_, cv in steady) > 0.1  # the spread stays that of the raw timings, phases and all
 
 
-
 def test_large_grid_steps_skip_the_last_pass_when_their_two_runs_agree(monkeypatch):
     """With ``large_s``, a step of at least that many seconds whose first two speed-adjusted runs agree within
     ``LARGE_AGREE`` is timed twice (its figure their mean); one whose second run was 20% slower on a machine of
@@ -457,6 +456,7 @@ def test_large_grid_steps_skip_the_last_pass_when_their_two_runs_agree(monkeypat
     calls.clear()
     profile_rows(ex, grid, repeats=3, pilot=PilotProbe(ex, every_s=0.0))  # without large_s: every pass
     assert calls[512] == 3 and calls[1024] == 3
+
 
 def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_class():
     """The speed of the twin's own steps is taken against the profile without its drift factors: small steps

@@ -138,8 +138,8 @@ def warn_machine(where: str, diff: list[str], cm: CostModel) -> None:
 def measure_profile(model_dir: Path, fp: dict, quick: bool = False, repeats: int = 3,
                     progress: Callable[[int, int], None] | None = None, kv_cache_tokens: int = 65536) -> CostModel:
     """Measure a profile of ``model_dir`` on this machine with ``fp['threads']`` torch threads (the full grid
-    takes about 2 minutes on a 2-core CPU, 2:04-2:16 measured on an AMD EPYC with AVX-512, and about 4.3 at one
-    thread, measured when every large step still ran three times; the quick one about 70 s)."""
+    takes about 2 minutes on a 2-core CPU, 2:04-2:16 measured on an AMD EPYC with AVX-512, and 3:18 at one
+    thread, one run on the same CPU; the quick one about 70 s)."""
     import torch
 
     from engines.real.model import LlamaModel

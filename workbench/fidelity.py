@@ -218,9 +218,9 @@ def real_spread(sim: dict, real: dict) -> dict | None:
         cv = r["std"] / abs(r["mean"])
         e = out[key]
         e["sem"] = cv / math.sqrt(n)
-        sim_std = ((sim_rep.get("metrics") or {}).get(key) or {}).get("std")
-        sim_cv = sim_std / abs(r["mean"]) if sim_std is not None and n_sim > 1 else 0.0
-        if sim_std is not None and n_sim > 1:
+        sim_std = ((sim_rep.get("metrics") or {}).get(key) or {}).get("std") if n_sim > 1 else None
+        sim_cv = sim_std / abs(r["mean"]) if sim_std is not None else 0.0
+        if sim_std is not None:
             e["sim_sem"] = sim_cv / math.sqrt(n_sim)
         e["error_sem"] = math.hypot(e["sem"], e.get("sim_sem", 0.0))
         bound = FIGURE_BOUNDS.get(key)
