@@ -356,6 +356,33 @@ def test_sensitivity_is_the_mean_relative_move_per_unit_of_step_time():
     assert "5% slower steps move throughput -5.0%, ttft p50 +10.0%, tpot p50 +22.5%" in summary_line(err)
 
 
+def test_a_recorded_step_shape_replays_as_a_grid_step_of_the_same_work():
+    """``grid_step_of`` rebuilds a step from its recorded shape (sums only): a step whose rows share one context
+    and whose chunks are alike comes back with the same shape (scattered blocks stay scattered, consecutive ones
+    consecutive); chunks of unequal length come back split evenly, with the same tokens, chunks, sampled rows and
+    (to rounding) cached context, and less prefill attention."""
+    from engines.sim.profiler import grid_step_of
+
+    def shape(step):
+        return StepShape.of(grid_batch(step, 16, 512).seqs)
+
+    fields = ("tokens", "decode_rows", "padding_rows", "decode_ctx", "prefill_seqs", "prefill_tokens",
+              "prefill_attn", "prefill_ctx", "sampled", "padding_ctx")
+    for step in (GridStep(1, 64), GridStep(8, 300), GridStep(4, 100, contiguous=True),
+                 GridStep(16, 256, prefills=((128, 0), (128, 0))), GridStep(prefills=((64, 512),)),
+                 GridStep(3, 200, padding_rows=5, padding_ctx=90)):
+        before = shape(step)
+        after = shape(grid_step_of(before))
+        assert [getattr(after, f) for f in fields] == [getattr(before, f) for f in fields], step
+        assert (after.scattered_ctx == 0) == (before.scattered_ctx == 0), step
+    before = StepShape.of([ScheduledSeq("a", list(range(100)), 0, list(range(7)), True, SP),
+                           ScheduledSeq("b", list(range(20)), 50, list(range(7, 12)), True, SP)])
+    after = shape(grid_step_of(before))
+    assert (after.tokens, after.prefill_seqs, after.prefill_tokens, after.sampled) == (120, 2, 120, 2)
+    assert before.prefill_ctx == 1000 and after.prefill_ctx == 120 * 8  # mean start round(1000 / 120) = 8
+    assert after.prefill_attn == 2 * 60 * (8 + 60) < before.prefill_attn == 100 * 100 + 20 * 70
+
+
 def test_cheap_grid_steps_get_more_runs():
     """Steps under ``cheap_s`` are timed ``cheap_repeats`` times in all (one warm-up run besides); a step of at
     least ``cheap_s`` is timed ``repeats`` times with no warm-up (its first run counts)."""

@@ -20,6 +20,7 @@ from typing import Callable
 from engines.core.sampling_params import SamplingParams
 from engines.core.scheduler import ScheduledSeq, SchedulerOutput, StepResult
 from engines.core.static_scheduler import PAD_BLOCK
+from engines.core.step_shape import StepShape
 from engines.sim.cost_model import (PILOT_LARGE_TOKENS, TABLE_FEATURES, CostModel, class_mix, hat_weights,
                                     noise_table_of, relative_nnls, step_features)
 
@@ -29,7 +30,8 @@ class GridStep:
     """One profiled step: ``decode_rows`` live decode rows and ``padding_rows`` static padding rows at
     context ``ctx`` (tokens), plus prefill chunks ``(tokens, cached tokens before it)``; blocks scattered over the
     pool, or each sequence's blocks consecutive (``contiguous``), or every block the KV cache's scratch block
-    (``scratch``: a step that can run while requests hold the pool's blocks, as a pilot probe does)."""
+    (``scratch``: a step that can run while requests hold the pool's blocks, as a pilot probe does).
+    ``padding_ctx``: each padding row's context (0: ``ctx``)."""
 
     decode_rows: int = 0
     ctx: int = 0
@@ -37,6 +39,7 @@ class GridStep:
     padding_rows: int = 0
     contiguous: bool = False
     scratch: bool = False
+    padding_ctx: int = 0
 
     @property
     def kv_tokens(self) -> int:
@@ -133,14 +136,33 @@ def grid_batch(step: GridStep, block_size: int, num_blocks: int) -> SchedulerOut
 
     for i in range(step.decode_rows):
         seqs.append(ScheduledSeq(f"d{i}", [100 + i], step.ctx - 1, blocks(step.ctx), True, sp))
+    pad_ctx = step.padding_ctx or step.ctx
     for i in range(step.padding_rows):
-        seqs.append(ScheduledSeq(f"pad{i}", [0], step.ctx - 1, [PAD_BLOCK] * -(-step.ctx // block_size), False, sp,
+        seqs.append(ScheduledSeq(f"pad{i}", [0], pad_ctx - 1, [PAD_BLOCK] * -(-pad_ctx // block_size), False, sp,
                                  is_padding=True))
     for j, (n, start) in enumerate(step.prefills):
         # ids in [100, 356): the time does not depend on them, and a test model's small vocabulary holds them
         seqs.append(ScheduledSeq(f"p{j}", [100 + ((j * 7 + k) % 256) for k in range(n)], start,
                                  blocks(start + n), True, sp))
     return SchedulerOutput(seqs)
+
+
+def grid_step_of(shape: StepShape) -> GridStep:
+    """A grid step of about ``shape``'s work, to time a recorded step's shape on the real executor again
+    (``benchmarks/step_replay.py``): its live decode rows at their mean context, its padding rows at theirs, and
+    its prefill tokens split as evenly as they go over its chunks, each after the mean cached context per prefill
+    token; blocks consecutive where the recorded rows' were (``scattered_ctx`` 0), else scattered. A recorded
+    shape keeps sums only, so the grid step has the same tokens, rows, chunks and sampled rows, and about the same
+    sums of context, while ``prefill_attn`` (each chunk's n * (start + n)) comes out of the even split: a step of
+    chunks of unequal length is replayed with less prefill attention work than it had."""
+    rows, pads, k = shape.decode_rows, shape.padding_rows, shape.prefill_seqs
+    live_ctx = shape.decode_ctx - shape.padding_ctx
+    start = round(shape.prefill_ctx / shape.prefill_tokens) if shape.prefill_tokens else 0
+    sizes = [shape.prefill_tokens // k + (1 if j < shape.prefill_tokens % k else 0) for j in range(k)] if k else []
+    return GridStep(decode_rows=rows, ctx=max(round(live_ctx / rows), 1) if rows else 0,
+                    prefills=tuple((n, start) for n in sizes if n), padding_rows=pads,
+                    contiguous=rows > 0 and shape.scattered_ctx == 0,
+                    padding_ctx=max(round(shape.padding_ctx / pads), 1) if pads else 0)
 
 
 CHEAP_STEP_S = 0.15  # grid steps faster than this get CHEAP_REPEATS runs in all (see profile_rows)
