@@ -2,6 +2,7 @@
 benchmark, not a test.
 
     python benchmarks/step_replay.py RUN_DIR [--engine paged] [--repeats 5] [--json out.json]
+    python benchmarks/step_replay.py --table out1.json out2.json ...   # a markdown table of earlier replays
 
 ``RUN_DIR`` is a ``workbench run`` output folder (``results.json``, ``<engine>/steps.csv`` and, with ``--repeat``,
 ``<engine>/repeat-N/steps.csv``) whose real ``--engine`` has a sim twin with a measured profile. The run's steps are
@@ -86,7 +87,24 @@ def compare(rows: list[dict], a: str, b: str) -> dict:
             "by_kind": {k: mape([(r[a], r[b]) for r in rows if r["kind"] == k]) for k in kinds}}
 
 
+def table(paths: list[Path]) -> str:
+    """A markdown table, one row per replay (``--json`` files): MAPEs as they are and level matched, levels."""
+    head = ("| run | engine | shapes | replay vs run | model vs run | model vs replay | level replay/run | "
+            "level model/replay |\n|---|---|---|---|---|---|---|---|")
+    out = [head]
+    for p in paths:
+        s = json.loads(p.read_text())["summary"]
+        c = [s[n] for n in ("replay_vs_run", "model_vs_run", "model_vs_replay")]
+        out.append(f"| {Path(s['run_dir']).name}, {s['threads']} | {s['engine']} | {s['n_shapes']} | "
+                   + " | ".join(f"{x['mape']:.1%} ({x['mape_level_matched']:.1%})" for x in c)
+                   + f" | {c[0]['level']:.3f} | {c[2]['level']:.3f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--table":
+        print(table([Path(a) for a in sys.argv[2:]]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--engine", default="paged", help="the real engine whose steps to replay")
