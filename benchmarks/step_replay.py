@@ -1,7 +1,7 @@
 """The noise floor of the step-level fidelity: a run's step shapes timed again on the real executor. A
 benchmark, not a test.
 
-    python benchmarks/step_replay.py RUN_DIR [--engine paged] [--repeats 5] [--json out.json]
+    python benchmarks/step_replay.py RUN_DIR [--engine paged] [--repeats 9] [--json out.json]
     python benchmarks/step_replay.py --table out1.json out2.json ...   # a markdown table of earlier replays
 
 ``RUN_DIR`` is a ``workbench run`` output folder (``results.json``, ``<engine>/steps.csv`` and, with ``--repeat``,
@@ -101,6 +101,57 @@ def table(paths: list[Path]) -> str:
     return "\n".join(out)
 
 
+def run_shapes(run_dir: Path, engine: str) -> dict[tuple, list]:
+    """The real ``engine``'s steps of ``run_dir`` (every repeat) that computed something, by shape key, each
+    shape's steps sorted by duration; only shapes seen at least ``MIN_SHAPE_STEPS`` times."""
+    from workbench.fidelity import MIN_SHAPE_STEPS, shape_key
+
+    edir = run_dir / engine
+    groups: dict[tuple, list] = {}
+    for f in [edir / "steps.csv"] + sorted(edir.glob("repeat-*/steps.csv")):
+        for s in read_steps(f):
+            if s.num_seqs and s.duration > 0:
+                groups.setdefault(shape_key(s.shape), []).append(s)
+    return {k: sorted(v, key=lambda s: s.duration) for k, v in groups.items() if len(v) >= MIN_SHAPE_STEPS}
+
+
+def replay(shapes: dict[tuple, list], fp: dict, cm, repeats: int) -> tuple[list[dict], float]:
+    """Time each shape's median-time step again on a real executor of the profile's fingerprint ``fp`` (model,
+    dtype, attention, weight dtype, threads), as ``profile_rows`` times a grid; returns one row per shape (run,
+    replay and cost-model executor seconds) and the seconds the timing took."""
+    import torch
+
+    from engines.core.step_shape import StepShape
+    from engines.real.model import LlamaModel
+    from engines.real.model_runner import ModelExecutor
+    from engines.real.model_store import resolve_model
+    from engines.sim.cost_model import shape_features
+    from engines.sim.profiler import CHEAP_REPEATS, PilotProbe, grid_batch, grid_step_of, profile_rows
+    from workbench.calibration import _weight_dtype_name
+    from workbench.fidelity import shape_key
+
+    torch.set_num_threads(fp["threads"])
+    model = LlamaModel.from_dir(resolve_model(fp["model"]), getattr(torch, fp["dtype"]), fp["attention"],
+                                weight_dtype=_weight_dtype_name(fp.get("weight_dtype")))
+    ex = ModelExecutor(model, 65536 // 16, 16)
+    keys = list(shapes)
+    reps = [shapes[k][(len(shapes[k]) - 1) // 2].shape for k in keys]
+    grid = [grid_step_of(r) for r in reps]
+    t0 = time.perf_counter()
+    timed = profile_rows(ex, grid, repeats, cheap_repeats=max(CHEAP_REPEATS, repeats), pilot=PilotProbe(ex))
+    took = time.perf_counter() - t0
+    rows = []
+    for k, rep, g, (f, seconds, cv) in zip(keys, reps, grid, timed):
+        replay_shape = StepShape.of(grid_batch(g, ex.kv.block_size, ex.kv.num_blocks).seqs)
+        rows.append({"kind": k[0], "shape": list(k), "n_run_steps": len(shapes[k]),
+                     "rows": rep.decode_rows + rep.padding_rows, "tokens": rep.tokens,
+                     "run": statistics.median(s.duration for s in shapes[k]), "replay": seconds,
+                     "replay_spread": cv, "model": cm.predict_exec(shape_features(replay_shape)),
+                     "moved": shape_key(replay_shape) != k,
+                     "features": {n: v for n, v in f.items() if v and n != "const"}})
+    return rows, took
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--table":
         print(table([Path(a) for a in sys.argv[2:]]))
@@ -108,56 +159,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--engine", default="paged", help="the real engine whose steps to replay")
-    ap.add_argument("--repeats", type=int, default=5, help="timed passes over the shapes")
+    ap.add_argument("--repeats", type=int, default=9, help="timed passes over the shapes")
     ap.add_argument("--json", type=Path, help="write the per-shape table and the summary here")
     args = ap.parse_args()
 
-    import torch
-
-    from engines.real.model import LlamaModel
-    from engines.real.model_runner import ModelExecutor
     from engines.sim.cost_model import CostModel
-    from engines.sim.profiler import CHEAP_REPEATS, PilotProbe, grid_batch, grid_step_of, profile_rows
-    from workbench.calibration import _weight_dtype_name
-    from workbench.fidelity import MIN_SHAPE_STEPS, shape_key
-    from engines.real.model_store import resolve_model
+    from workbench.fidelity import MIN_SHAPE_STEPS
 
     results = json.loads((args.run_dir / "results.json").read_text())
     sim, prof = twin_profile(results, args.engine)
-    cm = CostModel.load(prof["path"])
     fp = prof["fingerprint"]
-    edir = args.run_dir / args.engine
-    files = [edir / "steps.csv"] + sorted(edir.glob("repeat-*/steps.csv"))
-    groups: dict[tuple, list] = {}
-    for f in files:
-        for s in read_steps(f):
-            if s.num_seqs and s.duration > 0:
-                groups.setdefault(shape_key(s.shape), []).append(s)
-    shapes = {k: sorted(v, key=lambda s: s.duration) for k, v in groups.items() if len(v) >= MIN_SHAPE_STEPS}
-
-    torch.set_num_threads(fp["threads"])
-    model = LlamaModel.from_dir(resolve_model(fp["model"]), getattr(torch, fp["dtype"]), fp["attention"],
-                                weight_dtype=_weight_dtype_name(fp.get("weight_dtype")))
-    ex = ModelExecutor(model, 65536 // 16, 16)
-    keys = list(shapes)
-    grid = [grid_step_of(shapes[k][(len(shapes[k]) - 1) // 2].shape) for k in keys]
-    t0 = time.perf_counter()
-    timed = profile_rows(ex, grid, args.repeats, cheap_repeats=max(CHEAP_REPEATS, args.repeats), pilot=PilotProbe(ex))
-    took = time.perf_counter() - t0
-
-    from engines.core.step_shape import StepShape
-    from engines.sim.cost_model import shape_features
-
-    rows = []
-    for k, g, (f, seconds, cv) in zip(keys, grid, timed):
-        replay_shape = StepShape.of(grid_batch(g, ex.kv.block_size, ex.kv.num_blocks).seqs)
-        rep = shapes[k][(len(shapes[k]) - 1) // 2].shape
-        rows.append({"kind": k[0], "shape": list(k), "n_run_steps": len(shapes[k]),
-                     "rows": rep.decode_rows + rep.padding_rows, "tokens": rep.tokens,
-                     "run": statistics.median(s.duration for s in shapes[k]), "replay": seconds,
-                     "replay_spread": cv, "model": cm.predict_exec(shape_features(replay_shape)),
-                     "moved": shape_key(replay_shape) != k,
-                     "features": {n: v for n, v in f.items() if v and n != "const"}})
+    rows, took = replay(run_shapes(args.run_dir, args.engine), fp, CostModel.load(prof["path"]), args.repeats)
     summary = {"run_dir": str(args.run_dir), "engine": args.engine, "sim_engine": sim, "profile": prof["path"],
                "cpu": fp["cpu"], "cpu_capability": fp["cpu_capability"], "threads": fp["threads"],
                "n_shapes": len(rows), "moved": sum(r["moved"] for r in rows), "repeats": args.repeats,
