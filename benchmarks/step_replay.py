@@ -122,18 +122,14 @@ def replay(shapes: dict[tuple, list], fp: dict, cm, repeats: int) -> tuple[list[
     import torch
 
     from engines.core.step_shape import StepShape
-    from engines.real.model import LlamaModel
-    from engines.real.model_runner import ModelExecutor
     from engines.real.model_store import resolve_model
     from engines.sim.cost_model import shape_features
     from engines.sim.profiler import CHEAP_REPEATS, PilotProbe, grid_batch, grid_step_of, profile_rows
-    from workbench.calibration import _weight_dtype_name
+    from workbench.calibration import profile_executor
     from workbench.fidelity import shape_key
 
     torch.set_num_threads(fp["threads"])
-    model = LlamaModel.from_dir(resolve_model(fp["model"]), getattr(torch, fp["dtype"]), fp["attention"],
-                                weight_dtype=_weight_dtype_name(fp.get("weight_dtype")))
-    ex = ModelExecutor(model, 65536 // 16, 16)
+    ex = profile_executor(resolve_model(fp["model"]), fp)
     keys = list(shapes)
     reps = [shapes[k][(len(shapes[k]) - 1) // 2].shape for k in keys]
     grid = [grid_step_of(r) for r in reps]

@@ -135,6 +135,20 @@ def warn_machine(where: str, diff: list[str], cm: CostModel) -> None:
                       f"{cm.source or 'no source'}); its speeds may not hold here", stacklevel=2)
 
 
+def profile_executor(model_dir: Path, fp: dict, kv_cache_tokens: int = 65536):
+    """The real executor a profile of fingerprint ``fp`` times (``ModelExecutor``: ``model_dir`` in ``fp``'s dtype,
+    attention kernels and weight dtype, a KV pool of ``kv_cache_tokens`` in blocks of 16); the caller sets the
+    torch threads (``fp['threads']``)."""
+    import torch
+
+    from engines.real.model import LlamaModel
+    from engines.real.model_runner import ModelExecutor
+
+    model = LlamaModel.from_dir(model_dir, getattr(torch, fp["dtype"]), fp["attention"],
+                                weight_dtype=_weight_dtype_name(fp.get("weight_dtype")))
+    return ModelExecutor(model, kv_cache_tokens // 16, 16)
+
+
 def measure_profile(model_dir: Path, fp: dict, quick: bool = False, repeats: int = 3,
                     progress: Callable[[int, int], None] | None = None, kv_cache_tokens: int = 65536) -> CostModel:
     """Measure a profile of ``model_dir`` on this machine with ``fp['threads']`` torch threads (the full grid
@@ -142,16 +156,12 @@ def measure_profile(model_dir: Path, fp: dict, quick: bool = False, repeats: int
     thread, one run on the same CPU; the quick one about 70 s)."""
     import torch
 
-    from engines.real.model import LlamaModel
-    from engines.real.model_runner import ModelExecutor
     from engines.sim.profiler import FULL_GRID, QUICK_GRID, profile
 
     before = torch.get_num_threads()
     torch.set_num_threads(fp["threads"])
     try:
-        model = LlamaModel.from_dir(model_dir, getattr(torch, fp["dtype"]), fp["attention"],
-                                    weight_dtype=_weight_dtype_name(fp.get("weight_dtype")))
-        ex = ModelExecutor(model, kv_cache_tokens // 16, 16)
+        ex = profile_executor(model_dir, fp, kv_cache_tokens)
         cm = profile(ex, QUICK_GRID if quick else FULL_GRID, repeats, progress=progress)
     finally:
         torch.set_num_threads(before)
