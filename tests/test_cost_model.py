@@ -478,11 +478,51 @@ def test_large_grid_steps_skip_the_last_pass_when_their_two_runs_agree(monkeypat
     ex = SteadyExecutor()
     pilot = PilotProbe(ex, every_s=0.0)
     rows = profile_rows(ex, grid, repeats=3, pilot=pilot, large_s=0.5)
-    assert calls[512] == 2 and calls[1024] == 3 and calls[4] == 4  # the decode: a warm-up and three runs
+    # the decode: a warm-up and three runs, each after a pilot pair or a prefill, so each first settles
+    assert calls[512] == 2 and calls[1024] == 3 and calls[4] == 2 * 4
     assert rows[0][1] == pytest.approx(0.512, rel=0.02) and rows[1][1] == pytest.approx(1.024, rel=0.02)
     calls.clear()
     profile_rows(ex, grid, repeats=3, pilot=PilotProbe(ex, every_s=0.0))  # without large_s: every pass
     assert calls[512] == 3 and calls[1024] == 3
+
+
+def test_small_steps_are_timed_after_small_steps(monkeypatch):
+    """A machine where a step of fewer than ``SETTLE_TOKENS`` tokens takes 1.5x its time right after a larger
+    step: every small grid step run after a large one (or after a pilot pair, which ends with a 128-token
+    prefill) first runs once untimed, so its figure is its time after small steps, as decodes run in an engine;
+    the small pilot runs once untimed before its timing, whatever ran before it."""
+    from types import SimpleNamespace
+
+    from engines.sim import profiler
+    from engines.sim.profiler import PILOT_PROBES, SETTLE_TOKENS, PilotProbe, profile_rows
+
+    assert SETTLE_TOKENS == 128
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    grid = [GridStep(1, 64), GridStep(4, 64), GridStep(16, 64), GridStep(prefills=((256, 0),)),
+            GridStep(prefills=((512, 0),))]
+    ran: list[int] = []
+
+    class StickyExecutor:  # 10 ms + 1 ms per token, 1.5x for a small step after a large one
+        kv = SimpleNamespace(block_size=16, num_blocks=256)
+
+        def execute(self, out):
+            tokens = sum(len(s.token_ids) for s in out.seqs)
+            slow = tokens < SETTLE_TOKENS <= (ran[-1] if ran else 0)
+            ran.append(tokens)
+            clock.now += (0.01 + tokens / 1000) * (1.5 if slow else 1.0)
+
+    ex = StickyExecutor()
+    rows = profile_rows(ex, grid, repeats=3)
+    assert [t for _, t, _ in rows] == pytest.approx([0.011, 0.014, 0.026, 0.266, 0.522])
+    settles = [i for i in range(1, len(ran) - 1) if ran[i] < 128 <= ran[i - 1]]
+    assert settles and all(ran[i + 1] == ran[i] for i in settles)  # each then ran again, timed
+    ran.clear()
+    pilot = PilotProbe(ex, every_s=0.0)
+    rows = profile_rows(ex, grid, repeats=3, pilot=pilot)
+    assert [t for _, t, _ in rows] == pytest.approx([0.011, 0.014, 0.026, 0.266, 0.522])
+    small = [r["seconds"] for r in pilot.records if r["probe"] == PILOT_PROBES[0]]
+    assert small == pytest.approx([0.014] * len(small))  # 4 tokens, never the 1.5x
 
 
 def test_twin_speed_is_the_geometric_mean_of_measured_over_raw_prediction_per_class():
