@@ -176,13 +176,14 @@ LARGE_STEP_S = 0.5
 LARGE_AGREE = 0.05
 # A step of fewer than SETTLE_TOKENS tokens is timed only after a step of fewer than SETTLE_TOKENS: where the
 # step just before it was larger, it first runs once untimed. In the real engines' runs on a 2-core Intel Xeon
-# (AVX-512, AMX; 2026-12-08, two threads) a step of at most 8 tokens right after one of 128 or more took
-# 1.13-1.44x the cost model (after a small step 0.93-1.08x), one of 9-127 tokens 1.10-1.15x (0.96-1.03x), over
-# eight real engines of three scenarios; the small pilot probe read 1.25-1.54x its baseline after such a step and
-# within 3% of the engine's own small steps after a small one, which biased every small-step drift factor of
-# those runs upwards by 10-27%. (At one thread: 1.03-1.07x. Timed alone, the same executor's steps after a
-# 1,024-token or 8 x 400-token prefill ran 1.00-1.10x: the rest comes with the engine's runs.) Decodes, the
-# steps that drift factors and body-table knots of small steps are for, mostly follow decodes in a run.
+# (AVX-512, AMX; 2026-12-08, two threads; the eight real engines of three scenarios, the two named paged pooled)
+# a step of at most 8 tokens right after one of 128 or more took 1.02-1.44x the cost model (1.10x or more in 6 of
+# the 7; after a small step 0.93-1.08x), one of 9-127 tokens 1.05-1.15x (0.96-1.03x); the small pilot probe read
+# 1.07-1.54x its baseline after such a step (1.25x or more in 5 of 7) and 0.99-1.09x after a small one, near the
+# engines' own small steps after small ones, which put every small-step drift factor of those runs 7-24% above the
+# twin's own small-step speed. At one thread: 1.03-1.07x. Timed alone, the same executor's steps after a
+# 1,024-token or 8 x 400-token prefill ran 1.00-1.10x: the rest comes with the engines' runs. Decodes, the steps
+# that drift factors and the body table's small knots are for, mostly follow decodes in a run.
 SETTLE_TOKENS = PILOT_LARGE_TOKENS
 
 
