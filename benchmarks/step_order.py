@@ -5,7 +5,11 @@ Each round runs, in a shuffled order, every (before, after) pair of the steps be
 after a small one pays for what the large step left behind (the CPU's clock after wide vector work, caches, the
 allocator); a cost model that prices each step alone misses it, and a drift probe timed right after a large step
 reads the machine slower than it is. Prints, per ``after`` step, the median time after each ``before`` step and
-the ratio to its median after the smallest step. About 30 s for 10 rounds on a 2-core CPU. Usage::
+the ratio to its median after the smallest step. About 2.5 minutes for 10 rounds on a 2-core CPU. On a 2-core
+Intel Xeon with AMX (2026-12-08, two threads, 8 rounds) every timed step ran 0.98-1.06x after the larger steps
+of its time after a 1-row decode, where the same machine's engines ran their small steps right after a large
+one 1.02-1.44x (``engines.sim.profiler.SETTLE_TOKENS``): what slows them comes with the engines' runs, not with
+the step before alone. Usage::
 
     python benchmarks/step_order.py [ROUNDS]   # default 10
 """
