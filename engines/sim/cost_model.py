@@ -56,7 +56,9 @@ from engines.core.row_buckets import gemm_rows
 from engines.core.step_shape import StepShape
 
 FEATURES = ("const", "tokens", "decode_ctx", "prefill_attn", "sampled")
-PROFILE_FORMAT = 11  # the measured features, grid, repeats and the order steps are timed in; a profile cached under another format is measured anew
+# the measured features, grid, repeats and the order steps are timed in; a profile cached under another format is
+# measured anew
+PROFILE_FORMAT = 11
 # linear terms added to the tables' B(tokens) + L(sampled) in a measured cost model
 TABLE_FEATURES = ("rows", "live_ctx", "scattered_ctx", "padding_ctx", "prefill_seqs", "prefill_attn", "prefill_ctx",
                   "sampled")

@@ -228,15 +228,16 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
     if need > nb:
         raise ValueError(f"profile grid needs {need} KV blocks, the pool has {nb}")
     batches = [grid_batch(step, bs, nb) for step in grid]
-    tokens = [step_features(b.seqs)["tokens"] for b in batches]
+    feats = [step_features(b.seqs) for b in batches]
     times: list[list[float]] = [[] for _ in grid]
     mids: list[list[float]] = [[] for _ in grid]  # when each timed run was halfway (perf_counter seconds)
-    last = [0.0]  # tokens of the step run last (a pilot pair ends with a PILOT_LARGE_TOKENS prefill)
+    last_tokens = 0.0  # of the step run last (a pilot pair ends with a PILOT_LARGE_TOKENS prefill)
 
     def timed(i):
-        if tokens[i] < SETTLE_TOKENS <= last[0]:  # see SETTLE_TOKENS
+        nonlocal last_tokens
+        if feats[i]["tokens"] < SETTLE_TOKENS <= last_tokens:  # see SETTLE_TOKENS
             executor.execute(batches[i])
-        last[0] = tokens[i]
+        last_tokens = feats[i]["tokens"]
         t0 = time.perf_counter()
         executor.execute(batches[i])
         t1 = time.perf_counter()
@@ -244,12 +245,12 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
         mids[i].append((t0 + t1) / 2)
         if pilot is not None and pilot.due():
             pilot(time.perf_counter())
-            last[0] = PILOT_LARGE_TOKENS
+            last_tokens = PILOT_LARGE_TOKENS
 
     def settled(i):  # a large step whose two speed-adjusted runs agree needs no third
         if large_s is None or pilot is None or len(times[i]) < 2 or min(times[i]) < large_s:
             return False
-        a, b = (t / pilot.speed_at(m, tokens[i]) for t, m in zip(times[i][:2], mids[i][:2]))
+        a, b = (t / pilot.speed_at(m, feats[i]["tokens"]) for t, m in zip(times[i][:2], mids[i][:2]))
         return abs(a - b) <= LARGE_AGREE * (a + b) / 2
 
     for rep in range(repeats):
@@ -273,8 +274,7 @@ def profile_rows(executor, grid: list[GridStep], repeats: int = 3,
         for i in cheap:
             timed(i)
     rows = []
-    for b, ts, ms in zip(batches, times, mids):
-        f = step_features(b.seqs)
+    for f, ts, ms in zip(feats, times, mids):
         cv = statistics.stdev(ts) / statistics.fmean(ts) if len(ts) > 1 else 0.0
         steady = [t / pilot.speed_at(m, f["tokens"]) for t, m in zip(ts, ms)] if pilot is not None else ts
         rows.append((f, statistics.median(steady), cv))
